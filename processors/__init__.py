@@ -1,0 +1,1 @@
+"""Diffusers attention processors (installed as tessera_diffusers.processors)."""

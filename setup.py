@@ -1,0 +1,39 @@
+"""Build: the pure-Python package always; the native CUDA catalog when nvcc is available.
+
+Environment:
+    TESSERA_CUDA_ARCHS   architectures to build, e.g. "80;90a" (default), or "none" to skip the
+                         native library (CPU-only install: the reference path still works)
+    MAX_JOBS             parallel nvcc processes (default: CPU count)
+"""
+
+import os
+import sys
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc"))
+
+
+class BuildWithNative(build_py):
+    """build_py that also compiles the native catalog into the package (when nvcc is present)."""
+
+    def run(self):
+        super().run()
+        from build_native import build_native_library  # csrc/build_native.py
+
+        out_dir = os.path.join(self.build_lib, "tessera_diffusers", "_native")
+        build_native_library(out_dir, log=self.announce)
+
+
+setup(
+    packages=[
+        "tessera_diffusers",
+        "tessera_diffusers.profile",
+        "tessera_diffusers.sparsifiers",
+        "tessera_diffusers.processors",
+    ],
+    package_dir={"tessera_diffusers.processors": "processors"},
+    package_data={"tessera_diffusers": ["_native/*.so", "_native/*.json", "data/*.json"]},
+    cmdclass={"build_py": BuildWithNative},
+)

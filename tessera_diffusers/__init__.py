@@ -1,0 +1,58 @@
+"""Tessera for diffusers: dynamic block-sparse attention for video diffusion transformers.
+
+    from tessera_diffusers import LogicalMask, block_sparse_attention
+    out = block_sparse_attention(q, k, v, mask)          # q, k, v: [B, S, H, D]
+
+    pipe.transformer.set_attn_processor(TesseraProcessor())
+"""
+
+from .errors import (
+    CatalogError,
+    InvalidArgumentError,
+    MaskError,
+    NativeKernelError,
+    NoEligiblePlanError,
+    PlanTableError,
+    TesseraError,
+)
+from .mask import LogicalMask
+from .mask_state import MaskState, Stat, build_mask_state
+from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization, Traversal
+from .prepare import PreparedPlan, prepare
+from .runtime import Runtime, block_sparse_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CatalogError",
+    "Family",
+    "InvalidArgumentError",
+    "KernelSpec",
+    "KvLayout",
+    "LogicalMask",
+    "MaskError",
+    "MaskState",
+    "NativeKernelError",
+    "NoEligiblePlanError",
+    "PhysicalPlan",
+    "PlanTableError",
+    "PreparedPlan",
+    "Request",
+    "Runtime",
+    "Stat",
+    "TaskOrganization",
+    "TesseraError",
+    "Traversal",
+    "block_sparse_attention",
+    "build_mask_state",
+    "prepare",
+]
+
+
+def __getattr__(name: str):
+    # The processors import diffusers; load them only when asked for.
+    if name == "TesseraProcessor":
+        from .processors import TesseraProcessor
+
+        return TesseraProcessor
+    raise AttributeError(f"module 'tessera_diffusers' has no attribute {name!r}")

@@ -1,0 +1,73 @@
+"""Analytic roofline cost model: ranks plans on a GPU with no profiled plan table.
+
+time(plan) = max(computed flops / effective rate, bytes / bandwidth) + tiles * per-tile overhead
+
+The computed area (including masked entries inside coarsened / packed tiles) is estimated from the
+mask statistics: a run of L active blocks touched by aligned groups of c blocks occupies about
+``c * ceil-ish((L + c - 1) / c)`` blocks, and packing wastes only what neighbouring query rows do
+not share (``ROW_OVERLAP``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .mask_state import Stat
+from .plans import Family, KvLayout, PhysicalPlan, Request
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Effective rates of one GPU (measured dense numbers, not datasheet peaks)."""
+
+    tflops_portable: float = 340.0  # mma.sync flash kernel, large tiles
+    tflops_hopper: float = 620.0  # wgmma flash kernel, large tiles
+    bandwidth_gbs: float = 4300.0
+    tile_overhead_us: float = 0.02  # per KV tile step of one CTA (latency of a small tile)
+    num_sms: int = 132
+
+
+H200 = DeviceRates()
+
+
+def tile_efficiency(tile_q: int, tile_kv: int) -> float:
+    """Fraction of the large-tile rate a tile shape reaches (smaller tiles reuse operands less)."""
+    return min(1.0, (tile_q * tile_kv / (128 * 128)) ** 0.25)
+
+
+def coarsening_waste(block: int, tile: int, mean_run: float) -> float:
+    """Expected computed / active blocks along one axis when aligned tiles cover ``tile / block``."""
+    c = max(1, tile // block)
+    if c == 1:
+        return 1.0
+    run = max(1.0, mean_run)
+    return c * ((run + c - 1) / c) / run
+
+
+def estimate_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rates: DeviceRates = H200) -> float:
+    """Predicted kernel milliseconds of ``plan`` on ``req`` with host mask statistics ``stats``."""
+    density = stats[Stat.DENSITY.name.lower()]
+    mean_run = stats[Stat.MEAN_RUN_LENGTH.name.lower()]
+    overlap = stats[Stat.ROW_OVERLAP.name.lower()]
+    bh = req.batch * req.heads
+    area = density * req.seq_len_q * req.seq_len_kv * bh  # active token pairs
+
+    kv_waste = coarsening_waste(req.block_kv, plan.tile_kv, mean_run)
+    q_rows = max(1, plan.tile_q // req.block_q)
+    q_waste = 1.0 + (q_rows - 1) * (1.0 - overlap)  # union of the KV sets of q_rows block rows
+    if plan.kv_layout is KvLayout.PACKED:
+        kv_waste = 1.0  # gathered tiles are full up to the last one of each row
+    computed = area * q_waste * kv_waste
+    rate = rates.tflops_hopper if plan.kernel.family is Family.HOPPER else rates.tflops_portable
+    rate *= tile_efficiency(plan.tile_q, plan.tile_kv)
+    math_ms = 4.0 * req.head_dim * computed / (rate * 1e12) * 1e3
+
+    tiles = computed / (plan.tile_q * plan.tile_kv)
+    bytes_moved = tiles * plan.tile_kv * req.head_dim * 2 * 2  # K and V per KV tile, bf16
+    mem_ms = bytes_moved / (rates.bandwidth_gbs * 1e9) * 1e3 / 4.0  # most re-reads hit L2
+    waves = max(1.0, tiles / rates.num_sms)
+    overhead_ms = waves * rates.tile_overhead_us * 1e-3
+    split_ms = 0.0
+    if plan.tasks.num_splits > 1:
+        split_ms = plan.tasks.num_splits * bh * req.seq_len_q * req.head_dim * 8 / (rates.bandwidth_gbs * 1e9) * 1e3
+    return max(math_ms, mem_ms) + overhead_ms + split_ms

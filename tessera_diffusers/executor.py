@@ -1,0 +1,122 @@
+"""The plan executor in PyTorch: runs any PreparedPlan tile by tile from its metadata only.
+
+It is the CPU twin of the CUDA kernels: the same tiles, the same membership masking, the same
+online softmax and the same split-K partial states and merge. Query tiles are processed together
+(vectorized), KV tile positions one after another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .prepare import PreparedPlan
+
+NEG_INF = -math.inf
+
+
+def run_prepared(
+    prepared: PreparedPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Execute ``prepared`` on ``q [B, Sq, H, D]``, ``k, v [B, Skv, H, D]``.
+
+    Returns out ``[B, Sq, H, D]`` in ``q.dtype`` (and lse ``[B, H, Sq]`` fp32)."""
+    batch, seq_q, heads, head_dim = q.shape
+    ns = prepared.plan.tasks.num_splits
+    o_parts = torch.zeros(ns, batch, heads, seq_q, head_dim, dtype=torch.float32, device=q.device)
+    lse_parts = torch.full((ns, batch, heads, seq_q), NEG_INF, dtype=torch.float32, device=q.device)
+    mask = prepared.mask
+    for b in range(batch):
+        for h in range(heads):
+            mb, mh = (b if mask.batch > 1 else 0), (h if mask.heads > 1 else 0)
+            for split in range(ns):
+                o, lse = run_head(prepared, q[b, :, h], k[b, :, h], v[b, :, h], scale, mb, mh, split)
+                o_parts[split, b, h] = o
+                lse_parts[split, b, h] = lse
+    out, lse = merge_splits(o_parts, lse_parts)  # [B, H, Sq, D], [B, H, Sq]
+    out = out.transpose(1, 2).to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def run_head(
+    prepared: PreparedPlan,
+    q: torch.Tensor,  # [Sq, D]
+    k: torch.Tensor,  # [Skv, D]
+    v: torch.Tensor,  # [Skv, D]
+    scale: float,
+    mb: int,
+    mh: int,
+    split: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (b, h, split) over all query tiles: normalized partial output ``[Sq, D]`` fp32 and its
+    log-sum-exp ``[Sq]`` fp32 (0 and -inf where the split saw no key)."""
+    plan = prepared.plan
+    tq, tk, q_unit, kv_unit = plan.tile_q, plan.tile_kv, plan.q_unit, plan.kv_unit
+    n_slots = plan.slots_per_tile
+    seq_q, head_dim = q.shape
+    seq_kv = k.shape[0]
+    n_qt = prepared.num_q_tiles
+    device = q.device
+
+    q_pad = torch.zeros(n_qt * tq, head_dim, dtype=torch.float32, device=device)
+    q_pad[:seq_q] = q.float()
+    q_tiles = q_pad.view(n_qt, tq, head_dim)
+    kf, vf = k.float(), v.float()
+
+    counts = prepared.tile_counts[mb, mh].to(torch.int64)  # [nQT]
+    per = (counts + plan.tasks.num_splits - 1) // plan.tasks.num_splits
+    begin = torch.clamp(split * per, max=counts)
+    end = torch.clamp(begin + per, max=counts)
+
+    m = torch.full((n_qt, tq), NEG_INF, dtype=torch.float32, device=device)
+    l = torch.zeros(n_qt, tq, dtype=torch.float32, device=device)
+    acc = torch.zeros(n_qt, tq, head_dim, dtype=torch.float32, device=device)
+    row_unit = torch.arange(tq, device=device) // q_unit  # [tq]
+    col_slot = torch.arange(tk, device=device) // kv_unit  # [tk]
+    bit = (row_unit.view(tq, 1) * n_slots + col_slot.view(1, tk)).to(torch.int64)  # [tq, tk]
+    col_offset = torch.arange(tk, device=device) % kv_unit
+
+    for pos in range(prepared.capacity):
+        live = (begin <= pos) & (pos < end)  # [nQT]
+        if not bool(live.any()):
+            continue
+        slot_start = prepared.tile_slots[mb, mh, :, pos].to(torch.int64)  # [nQT, S]
+        tokens = slot_start[:, col_slot] + col_offset  # [nQT, tk]
+        col_ok = (slot_start[:, col_slot] >= 0) & (tokens < seq_kv)
+        tokens = torch.where(col_ok, tokens, torch.zeros_like(tokens))
+        member = prepared.tile_member[mb, mh, :, pos]  # [nQT] int64
+        allowed = ((member.view(-1, 1, 1) >> bit) & 1).bool() & col_ok.unsqueeze(1) & live.view(-1, 1, 1)
+
+        scores = torch.einsum("tqd,tkd->tqk", q_tiles, kf[tokens]) * scale
+        scores = scores.masked_fill(~allowed, NEG_INF)
+        m_new = torch.maximum(m, scores.amax(-1))
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(scores - safe.unsqueeze(-1))
+        alpha = torch.exp(m - safe)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha.unsqueeze(-1) + torch.einsum("tqk,tkd->tqd", p, vf[tokens])
+        m = m_new
+
+    has_key = l > 0
+    out = torch.where(has_key.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
+    lse = torch.where(has_key, m + torch.log(l.clamp_min(1e-30)), torch.full_like(m, NEG_INF))
+    return out.reshape(n_qt * tq, head_dim)[:seq_q], lse.reshape(-1)[:seq_q]
+
+
+def merge_splits(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge split-K partial states. ``o_parts [ns, ..., D]`` normalized partial outputs,
+    ``lse_parts [ns, ...]``; returns ``out [..., D]`` and ``lse [...]`` (0 / -inf for empty rows)."""
+    lse_max = lse_parts.amax(0)
+    finite = torch.isfinite(lse_max)
+    safe = torch.where(finite, lse_max, torch.zeros_like(lse_max))
+    w = torch.exp(lse_parts - safe)  # [ns, ...]; exp(-inf) = 0 for empty parts
+    total = w.sum(0)
+    out = (w.unsqueeze(-1) * o_parts).sum(0) / torch.where(finite, total, torch.ones_like(total)).unsqueeze(-1)
+    lse = torch.where(finite, safe + torch.log(torch.where(finite, total, torch.ones_like(total))), lse_max)
+    return torch.where(finite.unsqueeze(-1), out, torch.zeros_like(out)), lse

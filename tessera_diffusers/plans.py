@@ -1,0 +1,203 @@
+"""Physical plans ``P = <g_Q, g_KV, sigma, e>``: *how* the GPU computes a logical mask.
+
+- ``g_Q``, ``g_KV``: the mapping of each axis, fixed by the physical tile size against the logical
+  block size — direct (tile == block), coarsened (tile covers several blocks), refined (block split
+  into several tiles), or, on the KV axis, packed (active blocks of a query tile gathered into
+  dense tiles). Ratios per axis are independent.
+- ``sigma``: the task organization — traversal order, split-K count, persistent grid.
+- ``e``: the native implementation (a ``KernelSpec`` of the catalog).
+
+All of these are frozen dataclasses with a deterministic ``.name``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+# Membership of one physical tile is one 64-bit word: bit (a * slots + s) says whether query unit a
+# may see KV slot s.
+MEMBERSHIP_BITS = 64
+
+
+class Family(str, Enum):
+    """Which implementation family realizes a plan."""
+
+    REFERENCE = "reference"  # the PyTorch plan executor (any device)
+    PORTABLE = "portable"  # mma.sync + cp.async, sm80 and newer
+    HOPPER = "hopper"  # TMA + wgmma, sm90a only
+
+
+class KvLayout(str, Enum):
+    """How the KV tiles of one query tile are formed."""
+
+    CONTIGUOUS = "contiguous"  # aligned ranges of tokens (direct / coarsened / refined)
+    PACKED = "packed"  # active KV units of the query tile gathered into dense tiles
+
+
+class Traversal(str, Enum):
+    """Order in which query tiles are handed to CTAs."""
+
+    ROW_MAJOR = "row_major"
+    LONGEST_FIRST = "longest_first"  # rows with most KV tiles first (LPT balancing)
+
+
+class AxisMapping(str, Enum):
+    """Name of the mapping of one axis (derived from block and tile sizes, never stored)."""
+
+    DIRECT = "direct"
+    COARSENED = "coarsened"
+    REFINED = "refined"
+    REGRIDDED = "regridded"  # neither divides the other; membership works at their gcd
+    PACKED = "packed"
+
+
+def axis_mapping(block: int, tile: int, packed: bool = False) -> AxisMapping:
+    if packed and tile > block:
+        return AxisMapping.PACKED
+    if tile == block:
+        return AxisMapping.DIRECT
+    if tile % block == 0:
+        return AxisMapping.COARSENED
+    if block % tile == 0:
+        return AxisMapping.REFINED
+    return AxisMapping.REGRIDDED
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled kernel variant of the native catalog."""
+
+    family: Family
+    tile_q: int  # query rows per CTA tile
+    tile_kv: int  # key columns per KV tile
+    head_dim: int
+    dtype: str  # "bf16" | "fp16"
+    stages: int  # shared-memory pipeline depth for K/V
+    arch: str  # lowest architecture it runs on: "sm80", "sm90a", or "any" for the reference
+    warps: int = 4
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.family.value}_t{self.tile_q}x{self.tile_kv}_d{self.head_dim}_{self.dtype}"
+            f"_s{self.stages}_w{self.warps}_{self.arch}"
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return NAME_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class TaskOrganization:
+    """sigma: how tiles become CTA tasks."""
+
+    traversal: Traversal = Traversal.LONGEST_FIRST
+    num_splits: int = 1  # split-K parts per query tile (1: no split)
+    persistent: bool = False  # fixed grid pulling tasks instead of one CTA per task
+
+    @property
+    def name(self) -> str:
+        parts = ["lpt" if self.traversal is Traversal.LONGEST_FIRST else "rowmajor"]
+        if self.num_splits > 1:
+            parts.append(f"split{self.num_splits}")
+        if self.persistent:
+            parts.append("persistent")
+        return "-".join(parts)
+
+
+@dataclass(frozen=True)
+class PhysicalPlan:
+    """A complete physical plan for one logical geometry."""
+
+    block_q: int
+    block_kv: int
+    kv_layout: KvLayout
+    tasks: TaskOrganization
+    kernel: KernelSpec
+
+    @property
+    def tile_q(self) -> int:
+        return self.kernel.tile_q
+
+    @property
+    def tile_kv(self) -> int:
+        return self.kernel.tile_kv
+
+    @property
+    def q_mapping(self) -> AxisMapping:
+        return axis_mapping(self.block_q, self.tile_q)
+
+    @property
+    def kv_mapping(self) -> AxisMapping:
+        return axis_mapping(self.block_kv, self.tile_kv, self.kv_layout is KvLayout.PACKED)
+
+    @property
+    def q_unit(self) -> int:
+        """Rows of the membership grid: the largest size dividing both block and tile."""
+        return math.gcd(self.block_q, self.tile_q)
+
+    @property
+    def kv_unit(self) -> int:
+        """Columns of one KV slot: the largest size dividing both block and tile."""
+        return math.gcd(self.block_kv, self.tile_kv)
+
+    @property
+    def q_units_per_tile(self) -> int:
+        return self.tile_q // self.q_unit
+
+    @property
+    def slots_per_tile(self) -> int:
+        return self.tile_kv // self.kv_unit
+
+    @property
+    def mapping_name(self) -> str:
+        q, kv = self.q_mapping.value, self.kv_mapping.value
+        return q if q == kv else f"{q}-{kv}"
+
+    @property
+    def name(self) -> str:
+        k = self.kernel
+        return (
+            f"{self.mapping_name}_q{self.tile_q}k{self.tile_kv}_from_q{self.block_q}k{self.block_kv}"
+            f"_d{k.head_dim}_{k.dtype}_{k.arch}_{k.family.value}_s{k.stages}_{self.tasks.name}"
+        )
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the selector and eligibility see of one attention call (hashable, no tensors)."""
+
+    batch: int
+    heads: int
+    seq_len_q: int
+    seq_len_kv: int
+    head_dim: int
+    dtype: str  # "bf16" | "fp16" | "fp32"
+    block_q: int
+    block_kv: int
+    arch: str  # "sm80", "sm86", "sm89", "sm90", "sm120", or "cpu"
+    return_lse: bool = False
+
+    @property
+    def key(self) -> str:
+        """The request key of the plan table."""
+        return f"{self.arch}/Q{self.block_q}K{self.block_kv}/d{self.head_dim}/{self.dtype}/bshd"
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.key} B={self.batch} H={self.heads} Sq={self.seq_len_q} Skv={self.seq_len_kv}"
+        )
+
+
+def arch_number(arch: str) -> int:
+    """``"sm90a"`` -> 90; ``"cpu"`` -> 0."""
+    digits = "".join(ch for ch in arch if ch.isdigit())
+    return int(digits) if digits else 0

@@ -1,0 +1,159 @@
+"""The public facade: plan once, run many.
+
+``block_sparse_attention`` is the one-call API. ``Runtime`` is the explicit object that keeps the
+prepared-plan cache (per mask object) for callers that repeat requests, like a diffusion loop.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from . import reference
+from .executor import run_prepared
+from .mask import LogicalMask
+from .mask_state import MaskState, build_mask_state
+from .plans import DTYPE_NAMES, Family, PhysicalPlan, Request
+from .prepare import PreparedPlan, prepare
+from .validation import check_inputs
+
+
+def device_arch(device: torch.device) -> str:
+    """``"sm90"`` etc. for a CUDA device, ``"cpu"`` otherwise."""
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def make_request(q: torch.Tensor, k: torch.Tensor, mask: LogicalMask, return_lse: bool) -> Request:
+    batch, seq_q, heads, head_dim = q.shape
+    return Request(
+        batch=batch,
+        heads=heads,
+        seq_len_q=seq_q,
+        seq_len_kv=k.shape[1],
+        head_dim=head_dim,
+        dtype=DTYPE_NAMES.get(q.dtype, "fp32"),
+        block_q=mask.block_q,
+        block_kv=mask.block_kv,
+        arch=device_arch(q.device),
+        return_lse=return_lse,
+    )
+
+
+def execute(
+    prepared: PreparedPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run a prepared plan with the implementation its kernel names."""
+    if prepared.plan.kernel.family is Family.REFERENCE:
+        return run_prepared(prepared, q, k, v, scale, return_lse)
+    from . import ops  # the native library is loaded on first native use only
+
+    return ops.run_native(prepared, q, k, v, scale, return_lse)
+
+
+@dataclass
+class Runtime:
+    """Prepared-plan cache and selection front end (one per pipeline or processor).
+
+    An exact repeat of a request — the same mask object and the same shapes — skips selection and
+    preparation. Entries die with their mask object."""
+
+    max_entries: int = 256
+    _cache: dict = field(default_factory=dict, repr=False)
+    warned: set = field(default_factory=set, repr=False)
+    hits: int = 0
+    misses: int = 0
+
+    def prepared_for(self, mask: LogicalMask, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
+        """The cached or newly prepared plan for ``(mask, request)``; None means the reference oracle."""
+        key = (id(mask), request, plan)
+        entry = self._cache.get(key)
+        if entry is not None and entry[0]() is mask:
+            self.hits += 1
+            return entry[1]
+        self.misses += 1
+        state = build_mask_state(mask)
+        prepared = self.plan_request(state, request, plan)
+        if len(self._cache) >= self.max_entries:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[key] = (weakref.ref(mask), prepared)
+        return prepared
+
+    def plan_request(self, state: MaskState, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
+        if plan is not None:
+            return prepare(plan, state)
+        from .selector import select  # selection needs the catalog only when no plan is forced
+
+        chosen = select(request, state, warn=self._warn_once)
+        return None if chosen is None else prepare(chosen, state)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            warnings.warn(message, stacklevel=4)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: LogicalMask,
+        *,
+        scale: float | None = None,
+        return_lse: bool = False,
+        plan: PhysicalPlan | None = None,
+        check_finite: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """See ``block_sparse_attention``."""
+        scale = check_inputs(q, k, v, mask, scale, check_finite)
+        request = make_request(q, k, mask, return_lse)
+        prepared = self.prepared_for(mask, request, plan)
+        if prepared is None:
+            return reference.attention(q, k, v, mask, scale, return_lse)
+        return execute(prepared, q, k, v, scale, return_lse)
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: LogicalMask,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    plan: PhysicalPlan | None = None,
+    runtime: Runtime | None = None,
+    check_finite: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention: row i is ``softmax(q_i K^T * scale over E(mask)) V``.
+
+    Args:
+        q: ``[B, Sq, H, D]``; k, v: ``[B, Skv, H, D]``; bf16 or fp16 (fp32 on the reference path),
+            last dim contiguous, other strides free.
+        mask: ``LogicalMask`` over ``(Sq, Skv)``, broadcast over batch/heads.
+        scale: softmax scale (``1/sqrt(D)`` by default).
+        return_lse: also return the natural log-sum-exp per row, ``[B, H, Sq]`` fp32.
+        plan: force a physical plan (otherwise the selector chooses; the reference oracle serves
+            requests no native plan can).
+        runtime: a ``Runtime`` whose prepared-plan cache to use (a fresh one otherwise).
+        check_finite: raise on NaN/inf inputs (one host sync). Without it, non-finite inputs
+            propagate as in dense attention: a NaN in an active key's row poisons that query row.
+
+    Returns:
+        out ``[B, Sq, H, D]`` in the dtype of q; rows with no active key are 0 (lse -inf).
+    """
+    runtime = runtime or Runtime()
+    return runtime.attention(q, k, v, mask, scale=scale, return_lse=return_lse, plan=plan, check_finite=check_finite)
