@@ -1,35 +1,18 @@
-"""What the native library contains, per architecture: the one table instantiations come from.
+"""What the native library contains, per architecture, and the plan space built on it.
 
-``csrc/generate.py`` turns ``PORTABLE_KERNELS`` into the C++ instantiation list; the build writes a
-manifest of what it compiled, and the runtime checks the loaded library against this table.
+The kernel variants come from one table (``kernel_table.py``, torch-free so the build reads it):
+``csrc/build_native.py`` generates the C++ instantiations from it, the build writes a manifest of
+what it compiled, and the runtime checks the loaded library against the table (``ops.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from functools import cache
 
+from .kernel_table import KernelRow, portable_rows
 from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, TaskOrganization, Traversal
 
-
-@dataclass(frozen=True)
-class TileConfig:
-    tile_q: int
-    tile_kv: int
-    warps: int  # each warp owns tile_q / warps query rows (16 or 32)
-
-
-# Tiles of the portable (mma.sync + cp.async) family.
-PORTABLE_TILES: tuple[TileConfig, ...] = (
-    TileConfig(64, 64, 4),
-    TileConfig(64, 128, 4),
-    TileConfig(128, 64, 4),
-    TileConfig(128, 128, 8),
-)
-HEAD_DIMS: tuple[int, ...] = (64, 128)
-DTYPES: tuple[str, ...] = ("bf16", "fp16")
-PORTABLE_STAGES: tuple[int, ...] = (2, 3)
 
 # Task organizations the plan space offers for every kernel.
 TASK_ORGANIZATIONS: tuple[TaskOrganization, ...] = (
@@ -37,19 +20,18 @@ TASK_ORGANIZATIONS: tuple[TaskOrganization, ...] = (
     TaskOrganization(Traversal.ROW_MAJOR, 1),
     TaskOrganization(Traversal.LONGEST_FIRST, 2),
     TaskOrganization(Traversal.LONGEST_FIRST, 4),
+    TaskOrganization(Traversal.LONGEST_FIRST, 1, persistent=True),
 )
+
+
+def kernel_spec_from_row(row: KernelRow) -> KernelSpec:
+    return KernelSpec(Family(row.family), row.tile_q, row.tile_kv, row.head_dim, row.dtype, row.stages, row.arch, row.warps)
 
 
 @cache
 def portable_kernels() -> tuple[KernelSpec, ...]:
-    """Every portable kernel variant, in a fixed order (the generated C++ follows it)."""
-    return tuple(
-        KernelSpec(Family.PORTABLE, t.tile_q, t.tile_kv, d, dt, st, "sm80", t.warps)
-        for d in HEAD_DIMS
-        for dt in DTYPES
-        for t in PORTABLE_TILES
-        for st in PORTABLE_STAGES
-    )
+    """Every portable kernel variant, in the kernel table's order (the generated C++ follows it)."""
+    return tuple(kernel_spec_from_row(row) for row in portable_rows())
 
 
 def reference_kernel(head_dim: int, dtype: str, tile_q: int = 64, tile_kv: int = 64) -> KernelSpec:

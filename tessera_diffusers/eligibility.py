@@ -46,6 +46,20 @@ def arch_supported(plan: PhysicalPlan, req: Request) -> str | None:
     return None
 
 
+# Largest dynamic shared memory one CTA may use, by compute capability (bytes).
+MAX_SMEM_PER_CTA = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
+def fits_shared_memory(plan: PhysicalPlan, req: Request) -> str | None:
+    if plan.kernel.family is Family.REFERENCE or req.arch == "cpu":
+        return None
+    limit = MAX_SMEM_PER_CTA.get(arch_number(req.arch), 101376)
+    need = plan.kernel.smem_bytes + 1024  # + static tile metadata
+    if need > limit:
+        return f"needs {need} bytes of shared memory per CTA, {req.arch} allows {limit}"
+    return None
+
+
 def membership_fits(plan: PhysicalPlan, req: Request) -> str | None:
     bits = plan.q_units_per_tile * plan.slots_per_tile
     if bits > MEMBERSHIP_BITS:
@@ -74,6 +88,7 @@ PREDICATES: tuple[Predicate, ...] = (
     head_dim_matches,
     dtype_matches,
     arch_supported,
+    fits_shared_memory,
     membership_fits,
     packing_has_room,
     splits_are_useful,

@@ -18,6 +18,8 @@ from enum import Enum
 
 import torch
 
+from .kernel_table import kernel_name
+
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 # Membership of one physical tile is one 64-bit word: bit (a * slots + s) says whether query unit a
@@ -84,10 +86,13 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        return (
-            f"{self.family.value}_t{self.tile_q}x{self.tile_kv}_d{self.head_dim}_{self.dtype}"
-            f"_s{self.stages}_w{self.warps}_{self.arch}"
-        )
+        return kernel_name(self.family.value, self.tile_q, self.tile_kv, self.head_dim, self.dtype, self.stages,
+                           self.warps, self.arch)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA: the Q tile and K/V tiles per pipeline stage (16-bit)."""
+        return (self.tile_q + 2 * self.stages * self.tile_kv) * self.head_dim * 2
 
     @property
     def torch_dtype(self) -> torch.dtype:

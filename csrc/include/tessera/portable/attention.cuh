@@ -1,0 +1,373 @@
+// Portable block-sparse attention forward (mma.sync + cp.async + ldmatrix; sm80 and newer).
+//
+// Reads top to bottom: task decoding, the loaders (Q tile, one KV tile of gathered slots), the
+// per-tile compute (Q K^T, membership mask, online softmax, P V), the epilogue, the kernel, the
+// launcher. The metadata format is documented in tessera_diffusers/prepare.py.
+#pragma once
+#include <math_constants.h>
+#include <stdint.h>
+
+#include "tessera/params.h"
+#include "tessera/portable/ptx.cuh"
+#include "tessera/portable/traits.cuh"
+
+namespace tessera::portable {
+
+constexpr float kLn2 = 0.69314718055994530942f;
+
+// One CTA task: a query tile of one (b, h), and the part of its KV tile list it handles.
+struct Task {
+  int b, h;
+  int q_tile;           // which query tile (after traversal order)
+  int split;
+  int tile_begin, tile_end;
+  int64_t meta_row;     // (mb * Hm + mh) * nQT + q_tile: row of the metadata tensors
+};
+
+__device__ __forceinline__ Task decode_task(const TesseraAttnParams& p, int64_t task_id) {
+  Task t;
+  const int64_t bh_count = int64_t(p.batch) * p.heads;
+  t.split = int(task_id % p.num_splits);
+  const int64_t rest = task_id / p.num_splits;
+  const int bh = int(rest % bh_count);
+  const int rank = int(rest / bh_count);
+  t.b = bh / p.heads;
+  t.h = bh % p.heads;
+  const int mb = p.mask_batch == 1 ? 0 : t.b;
+  const int mh = p.mask_heads == 1 ? 0 : t.h;
+  const int64_t mask_row = (int64_t(mb) * p.mask_heads + mh) * p.num_q_tiles;
+  t.q_tile = p.q_order[mask_row + rank];
+  t.meta_row = mask_row + t.q_tile;
+  const int count = p.tile_counts[t.meta_row];
+  const int per = (count + p.num_splits - 1) / p.num_splits;
+  t.tile_begin = min(t.split * per, count);
+  t.tile_end = min(t.tile_begin + per, count);
+  return t;
+}
+
+// Per-stage description of the KV tile in flight, written by the loader, read by the compute.
+template <class T>
+struct TileMeta {
+  int slot_start[T::kMaxSlots];
+  unsigned long long member;
+  int full;  // every (row, column) of the tile is active and inside Skv: no masking needed
+};
+
+template <class T>
+__device__ __forceinline__ void load_q_tile(const TesseraAttnParams& p, const Task& t,
+                                            typename T::Element* sQ) {
+  using Element = typename T::Element;
+  const Element* q = static_cast<const Element*>(p.q);
+  const int row0 = t.q_tile * T::kTileQ;
+  constexpr int kIters = T::kTileQ * T::kChunksPerRow / T::kThreads;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int c = threadIdx.x + i * T::kThreads;
+    const int row = c / T::kChunksPerRow, chunk = c % T::kChunksPerRow;
+    const int token = row0 + row;
+    const bool ok = token < p.seq_q;
+    const int64_t offset =
+        int64_t(t.b) * p.q_stride[0] + int64_t(ok ? token : 0) * p.q_stride[1] + int64_t(t.h) * p.q_stride[2];
+    cp_async_16(smem_addr(sQ + swizzled<T>(row, chunk)), q + offset + chunk * T::kChunkElems, ok ? 16 : 0);
+  }
+}
+
+// Gather one KV tile: row r of the tile is token slot_start[r / kv_unit] + r % kv_unit.
+template <class T>
+__device__ __forceinline__ void load_kv_tile(const TesseraAttnParams& p, const Task& t, int tile,
+                                             typename T::Element* sK, typename T::Element* sV,
+                                             TileMeta<T>& meta) {
+  using Element = typename T::Element;
+  const Element* k = static_cast<const Element*>(p.k);
+  const Element* v = static_cast<const Element*>(p.v);
+  const int64_t meta_tile = t.meta_row * p.capacity + tile;
+  const int32_t* slots = p.tile_slots + meta_tile * p.slots;
+  const int unit_mask = (1 << p.kv_unit_log2) - 1;
+  constexpr int kIters = T::kTileKV * T::kChunksPerRow / T::kThreads;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int c = threadIdx.x + i * T::kThreads;
+    const int row = c / T::kChunksPerRow, chunk = c % T::kChunksPerRow;
+    const int start = __ldg(slots + (row >> p.kv_unit_log2));
+    const int token = start + (row & unit_mask);
+    const bool ok = start >= 0 && token < p.seq_kv;
+    const int64_t tok = ok ? token : 0;
+    const int64_t k_off = int64_t(t.b) * p.k_stride[0] + tok * p.k_stride[1] + int64_t(t.h) * p.k_stride[2];
+    const int64_t v_off = int64_t(t.b) * p.v_stride[0] + tok * p.v_stride[1] + int64_t(t.h) * p.v_stride[2];
+    const int dst = swizzled<T>(row, chunk);
+    cp_async_16(smem_addr(sK + dst), k + k_off + chunk * T::kChunkElems, ok ? 16 : 0);
+    cp_async_16(smem_addr(sV + dst), v + v_off + chunk * T::kChunkElems, ok ? 16 : 0);
+  }
+  if (threadIdx.x < p.slots) meta.slot_start[threadIdx.x] = __ldg(slots + threadIdx.x);
+  if (threadIdx.x == 0) {
+    const unsigned long long member = static_cast<unsigned long long>(__ldg(p.tile_member + meta_tile));
+    const int bits = (T::kTileQ >> p.q_unit_log2) * p.slots;
+    const unsigned long long all = bits >= 64 ? ~0ull : ((1ull << bits) - 1ull);
+    const int last = __ldg(slots + p.slots - 1);
+    meta.member = member;
+    meta.full = member == all && last >= 0 && last + (1 << p.kv_unit_log2) <= p.seq_kv;
+  }
+}
+
+// Online-softmax state of the rows one thread touches: [m tile][row half (g, g + 8)].
+template <class T>
+struct RowState {
+  float max[T::kMTiles][2];  // running max of scaled scores (log2 domain)
+  float sum[T::kMTiles][2];  // this thread's partial row sum (reduced over the quad at the end)
+};
+
+template <class T>
+__device__ __forceinline__ void mask_scores(const TesseraAttnParams& p, const TileMeta<T>& meta, int warp_row0,
+                                            float (&s)[T::kMTiles][T::kNTilesS][4]) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, tq = lane & 3;
+  const int unit_mask = (1 << p.kv_unit_log2) - 1;
+#pragma unroll
+  for (int nt = 0; nt < T::kNTilesS; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = nt * 8 + 2 * tq + e;
+      const int slot = col >> p.kv_unit_log2;
+      const bool col_ok = meta.slot_start[slot] + (col & unit_mask) < p.seq_kv;
+#pragma unroll
+      for (int m = 0; m < T::kMTiles; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = warp_row0 + m * 16 + g + 8 * half;
+          const int bit = (row >> p.q_unit_log2) * p.slots + slot;
+          const bool ok = col_ok && ((meta.member >> bit) & 1ull);
+          if (!ok) s[m][nt][2 * half + e] = -CUDART_INF_F;
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void compute_tile(const TesseraAttnParams& p, const typename T::Element* sQ,
+                                             const typename T::Element* sK, const typename T::Element* sV,
+                                             const TileMeta<T>& meta, RowState<T>& state,
+                                             float (&acc)[T::kMTiles][T::kNTilesO][4]) {
+  using Element = typename T::Element;
+  const int lane = threadIdx.x & 31;
+  const int warp_row0 = (threadIdx.x >> 5) * T::kWarpRows;
+
+  // S = Q K^T for this warp's rows.
+  float s[T::kMTiles][T::kNTilesS][4];
+#pragma unroll
+  for (int m = 0; m < T::kMTiles; ++m)
+#pragma unroll
+    for (int nt = 0; nt < T::kNTilesS; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[m][nt][e] = 0.f;
+
+#pragma unroll
+  for (int ks = 0; ks < T::kKStepsS; ++ks) {
+    uint32_t a[T::kMTiles][4];
+#pragma unroll
+    for (int m = 0; m < T::kMTiles; ++m) {
+      const int row = warp_row0 + m * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+      ldmatrix_x4(a[m], smem_addr(sQ + swizzled<T>(row, 2 * ks + (lane >> 4))));
+    }
+#pragma unroll
+    for (int np = 0; np < T::kNTilesS / 2; ++np) {
+      uint32_t b[4];
+      const int key = np * 16 + (lane & 7) + 8 * (lane >> 4);
+      ldmatrix_x4(b, smem_addr(sK + swizzled<T>(key, 2 * ks + ((lane >> 3) & 1))));
+#pragma unroll
+      for (int m = 0; m < T::kMTiles; ++m) {
+        mma_16816<Element>(s[m][2 * np], a[m], b[0], b[1]);
+        mma_16816<Element>(s[m][2 * np + 1], a[m], b[2], b[3]);
+      }
+    }
+  }
+
+  if (!meta.full) mask_scores<T>(p, meta, warp_row0, s);
+
+  // Online softmax: new running max, rescale the accumulator, probabilities in place.
+#pragma unroll
+  for (int m = 0; m < T::kMTiles; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float tile_max = -CUDART_INF_F;
+#pragma unroll
+      for (int nt = 0; nt < T::kNTilesS; ++nt)
+        tile_max = fmaxf(tile_max, fmaxf(s[m][nt][2 * half], s[m][nt][2 * half + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(state.max[m][half], tile_max * p.scale_log2);
+      // A row with no active key so far keeps max = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+      const float ref = new_max == -CUDART_INF_F ? 0.f : new_max;
+      const float alpha = exp2f(state.max[m][half] - ref);
+      state.max[m][half] = new_max;
+      float row_sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < T::kNTilesS; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float prob = exp2f(fmaf(s[m][nt][2 * half + e], p.scale_log2, -ref));
+          s[m][nt][2 * half + e] = prob;
+          row_sum += prob;
+        }
+      }
+      state.sum[m][half] = state.sum[m][half] * alpha + row_sum;
+#pragma unroll
+      for (int dt = 0; dt < T::kNTilesO; ++dt) {
+        acc[m][dt][2 * half] *= alpha;
+        acc[m][dt][2 * half + 1] *= alpha;
+      }
+    }
+  }
+
+  // O += P V with P straight from the score registers (the m16n8 C layout is the m16k16 A layout).
+#pragma unroll
+  for (int kk = 0; kk < T::kKStepsO; ++kk) {
+    uint32_t a[T::kMTiles][4];
+#pragma unroll
+    for (int m = 0; m < T::kMTiles; ++m) {
+      a[m][0] = pack2<Element>(s[m][2 * kk][0], s[m][2 * kk][1]);
+      a[m][1] = pack2<Element>(s[m][2 * kk][2], s[m][2 * kk][3]);
+      a[m][2] = pack2<Element>(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+      a[m][3] = pack2<Element>(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < T::kNTilesO / 2; ++dp) {
+      uint32_t b[4];
+      const int key = kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+      ldmatrix_x4_trans(b, smem_addr(sV + swizzled<T>(key, 2 * dp + (lane >> 4))));
+#pragma unroll
+      for (int m = 0; m < T::kMTiles; ++m) {
+        mma_16816<Element>(acc[m][2 * dp], a[m], b[0], b[1]);
+        mma_16816<Element>(acc[m][2 * dp + 1], a[m], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Normalize and store: O (or the fp32 split-K partial) and the log-sum-exp of each row.
+// Rows with no active key get 0 and -inf.
+template <class T>
+__device__ __forceinline__ void store_tile(const TesseraAttnParams& p, const Task& t, RowState<T>& state,
+                                           float (&acc)[T::kMTiles][T::kNTilesO][4]) {
+  using Element = typename T::Element;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, tq = lane & 3;
+  const int warp_row0 = (threadIdx.x >> 5) * T::kWarpRows;
+  const bool split = p.num_splits > 1;
+#pragma unroll
+  for (int m = 0; m < T::kMTiles; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sum = state.sum[m][half];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const bool has_key = sum > 0.f;
+      const float inv = has_key ? 1.f / sum : 0.f;
+      const float lse = has_key ? state.max[m][half] * kLn2 + logf(sum) : -CUDART_INF_F;
+      const int row = t.q_tile * T::kTileQ + warp_row0 + m * 16 + g + 8 * half;
+      if (row >= p.seq_q) continue;
+      const int64_t bh_row = (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
+      if (split) {
+        const int64_t part = int64_t(t.split) * p.batch * p.heads * p.seq_q + bh_row;
+        float* dst = p.o_partial + part * T::kHeadDim;
+#pragma unroll
+        for (int dt = 0; dt < T::kNTilesO; ++dt) {
+          const float2 val = make_float2(acc[m][dt][2 * half] * inv, acc[m][dt][2 * half + 1] * inv);
+          *reinterpret_cast<float2*>(dst + dt * 8 + 2 * tq) = val;
+        }
+        if (tq == 0) p.lse_partial[part] = lse;
+      } else {
+        Element* o = static_cast<Element*>(p.o) + int64_t(t.b) * p.o_stride[0] + int64_t(row) * p.o_stride[1] +
+                     int64_t(t.h) * p.o_stride[2];
+#pragma unroll
+        for (int dt = 0; dt < T::kNTilesO; ++dt) {
+          const uint32_t val = pack2<Element>(acc[m][dt][2 * half] * inv, acc[m][dt][2 * half + 1] * inv);
+          *reinterpret_cast<uint32_t*>(o + dt * 8 + 2 * tq) = val;
+        }
+        if (p.lse != nullptr && tq == 0) p.lse[bh_row] = lse;
+      }
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads) attention_kernel(const __grid_constant__ TesseraAttnParams p) {
+  using Element = typename T::Element;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Element* sQ = reinterpret_cast<Element*>(smem_raw);
+  Element* sK = sQ + T::kSmemQElems;
+  Element* sV = sK + T::kStages * T::kSmemKVElems;
+  __shared__ TileMeta<T> meta[T::kStages];
+
+  const int64_t num_tasks = int64_t(p.num_q_tiles) * p.batch * p.heads * p.num_splits;
+  for (int64_t task_id = blockIdx.x; task_id < num_tasks; task_id += gridDim.x) {
+    const Task t = decode_task(p, task_id);
+    const int n_tiles = t.tile_end - t.tile_begin;
+
+    RowState<T> state;
+    float acc[T::kMTiles][T::kNTilesO][4];
+#pragma unroll
+    for (int m = 0; m < T::kMTiles; ++m) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        state.max[m][half] = -CUDART_INF_F;
+        state.sum[m][half] = 0.f;
+      }
+#pragma unroll
+      for (int dt = 0; dt < T::kNTilesO; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][dt][e] = 0.f;
+    }
+
+    if (n_tiles > 0) {
+      load_q_tile<T>(p, t, sQ);
+      cp_async_commit();
+#pragma unroll
+      for (int st = 0; st < T::kStages - 1; ++st) {
+        if (st < n_tiles)
+          load_kv_tile<T>(p, t, t.tile_begin + st, sK + st * T::kSmemKVElems, sV + st * T::kSmemKVElems, meta[st]);
+        cp_async_commit();
+      }
+      for (int i = 0; i < n_tiles; ++i) {
+        const int ahead = i + T::kStages - 1;
+        if (ahead < n_tiles) {
+          const int st = ahead % T::kStages;
+          load_kv_tile<T>(p, t, t.tile_begin + ahead, sK + st * T::kSmemKVElems, sV + st * T::kSmemKVElems,
+                          meta[st]);
+        }
+        cp_async_commit();
+        cp_async_wait<T::kStages - 1>();
+        __syncthreads();
+        const int st = i % T::kStages;
+        compute_tile<T>(p, sQ, sK + st * T::kSmemKVElems, sV + st * T::kSmemKVElems, meta[st], state, acc);
+        __syncthreads();
+      }
+    }
+    store_tile<T>(p, t, state, acc);
+  }
+}
+
+template <class T>
+int launch_attention(const TesseraAttnParams& p, cudaStream_t stream) {
+  auto kernel = attention_kernel<T>;
+  if (T::kSmemBytes > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+    if (err != cudaSuccess) return int(err);
+  }
+  const int64_t num_tasks = int64_t(p.num_q_tiles) * p.batch * p.heads * p.num_splits;
+  if (num_tasks == 0) return 0;
+  const int64_t grid = p.grid_size > 0 && p.grid_size < num_tasks ? p.grid_size : num_tasks;
+  kernel<<<dim3(unsigned(grid)), dim3(T::kThreads), T::kSmemBytes, stream>>>(p);
+  return int(cudaGetLastError());
+}
+
+template <class T>
+int ctas_per_sm() {
+  int blocks = 0;
+  if (T::kSmemBytes > 48 * 1024)
+    cudaFuncSetAttribute(attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attention_kernel<T>, T::kThreads, T::kSmemBytes);
+  return blocks;
+}
+
+}  // namespace tessera::portable

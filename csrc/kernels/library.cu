@@ -1,0 +1,47 @@
+// The C ABI of the kernel library: introspection (the manifest) and launches by kernel id.
+#include <cuda_runtime.h>
+
+#include "tessera/merge.cuh"
+#include "tessera/params.h"
+#include "tessera/portable/attention.cuh"
+#include "registry.inc"  // generated: declarations + TESSERA_KERNEL_ENTRIES
+
+namespace {
+
+struct KernelEntry {
+  const char* name;
+  int smem_bytes;
+  int threads;
+  int (*launch)(const TesseraAttnParams&, cudaStream_t);
+  int (*ctas_per_sm)();
+};
+
+const KernelEntry kEntries[] = {TESSERA_KERNEL_ENTRIES};
+constexpr int kNumEntries = int(sizeof(kEntries) / sizeof(kEntries[0]));
+
+bool valid_id(int id) { return id >= 0 && id < kNumEntries; }
+
+}  // namespace
+
+extern "C" {
+
+int tessera_abi_version(void) { return TESSERA_ABI_VERSION; }
+int tessera_num_kernels(void) { return kNumEntries; }
+const char* tessera_kernel_name(int id) { return valid_id(id) ? kEntries[id].name : nullptr; }
+int tessera_kernel_smem_bytes(int id) { return valid_id(id) ? kEntries[id].smem_bytes : -1; }
+int tessera_kernel_threads(int id) { return valid_id(id) ? kEntries[id].threads : -1; }
+int tessera_kernel_ctas_per_sm(int id) { return valid_id(id) ? kEntries[id].ctas_per_sm() : -1; }
+
+int tessera_attention_forward(int id, const TesseraAttnParams* params, void* stream) {
+  if (!valid_id(id) || params == nullptr) return int(cudaErrorInvalidValue);
+  return kEntries[id].launch(*params, static_cast<cudaStream_t>(stream));
+}
+
+int tessera_split_merge(const TesseraMergeParams* params, void* stream) {
+  if (params == nullptr || params->head_dim > tessera::kMaxMergeHeadDim) return int(cudaErrorInvalidValue);
+  return tessera::launch_split_merge(*params, static_cast<cudaStream_t>(stream));
+}
+
+const char* tessera_error_string(int error) { return cudaGetErrorString(static_cast<cudaError_t>(error)); }
+
+}  // extern "C"

@@ -1,0 +1,63 @@
+"""The native kernel table, free of torch so the build (and the C++ generator) can read it.
+
+Every compiled kernel variant comes from this table: ``csrc/build_native.py`` generates one
+instantiation per row, ``catalog.py`` turns rows into ``KernelSpec``s, and the runtime checks the
+loaded library's own list of names against it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class TileConfig(NamedTuple):
+    tile_q: int
+    tile_kv: int
+    warps: int  # each warp owns tile_q / warps query rows (16 or 32)
+
+
+class KernelRow(NamedTuple):
+    family: str  # "portable" | "hopper"
+    tile_q: int
+    tile_kv: int
+    head_dim: int
+    dtype: str  # "bf16" | "fp16"
+    stages: int
+    warps: int
+    arch: str  # lowest architecture: "sm80" | "sm90a"
+
+    @property
+    def name(self) -> str:
+        return kernel_name(*self)
+
+
+# Tiles of the portable (mma.sync + cp.async) family.
+PORTABLE_TILES: tuple[TileConfig, ...] = (
+    TileConfig(64, 64, 4),
+    TileConfig(64, 128, 4),
+    TileConfig(128, 64, 4),
+    TileConfig(128, 128, 8),
+)
+HEAD_DIMS: tuple[int, ...] = (64, 128)
+DTYPES: tuple[str, ...] = ("bf16", "fp16")
+PORTABLE_STAGES: tuple[int, ...] = (2, 3)
+
+
+def kernel_name(family: str, tile_q: int, tile_kv: int, head_dim: int, dtype: str, stages: int, warps: int, arch: str) -> str:
+    """Deterministic name of one kernel variant (also the C symbol suffix)."""
+    return f"{family}_t{tile_q}x{tile_kv}_d{head_dim}_{dtype}_s{stages}_w{warps}_{arch}"
+
+
+def portable_rows() -> tuple[KernelRow, ...]:
+    """Every portable variant in a fixed order."""
+    return tuple(
+        KernelRow("portable", t.tile_q, t.tile_kv, d, dt, st, t.warps, "sm80")
+        for d in HEAD_DIMS
+        for dt in DTYPES
+        for t in PORTABLE_TILES
+        for st in PORTABLE_STAGES
+    )
+
+
+def all_rows() -> tuple[KernelRow, ...]:
+    return portable_rows()

@@ -1,0 +1,311 @@
+"""The native kernel library, exposed to PyTorch as ``torch.library`` custom ops.
+
+The library is a torch-free shared object with a plain C ABI (``csrc/include/tessera/params.h``),
+loaded with ctypes: one build serves every Python and PyTorch version. The ops have fake kernels,
+so ``torch.compile`` traces through them, and the launch path does no host sync, so it can be
+captured in a CUDA graph (pass ``out``/``lse``/``workspace`` to also avoid allocation).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from .catalog import kernel_spec_from_row
+from .errors import CatalogError, InvalidArgumentError, NativeKernelError
+from .kernel_table import all_rows
+from .plans import KernelSpec
+from .prepare import PreparedPlan
+
+LIBRARY_FILE = "libtessera_kernels.so"
+ABI_VERSION = 1
+LOG2E = 1.4426950408889634
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
+
+
+class TesseraAttnParams(ctypes.Structure):
+    """Mirror of ``TesseraAttnParams`` in params.h, field for field."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("o_partial", ctypes.c_void_p),
+        ("lse_partial", ctypes.c_void_p),
+        ("q_stride", ctypes.c_int64 * 3),
+        ("k_stride", ctypes.c_int64 * 3),
+        ("v_stride", ctypes.c_int64 * 3),
+        ("o_stride", ctypes.c_int64 * 3),
+        ("batch", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("seq_q", ctypes.c_int32),
+        ("seq_kv", ctypes.c_int32),
+        ("mask_batch", ctypes.c_int32),
+        ("mask_heads", ctypes.c_int32),
+        ("num_q_tiles", ctypes.c_int32),
+        ("capacity", ctypes.c_int32),
+        ("slots", ctypes.c_int32),
+        ("q_unit_log2", ctypes.c_int32),
+        ("kv_unit_log2", ctypes.c_int32),
+        ("num_splits", ctypes.c_int32),
+        ("grid_size", ctypes.c_int32),
+        ("tile_counts", ctypes.c_void_p),
+        ("tile_slots", ctypes.c_void_p),
+        ("tile_member", ctypes.c_void_p),
+        ("q_order", ctypes.c_void_p),
+        ("scale_log2", ctypes.c_float),
+    ]
+
+
+class TesseraMergeParams(ctypes.Structure):
+    """Mirror of ``TesseraMergeParams`` in params.h."""
+
+    _fields_ = [
+        ("o_partial", ctypes.c_void_p),
+        ("lse_partial", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("o_stride", ctypes.c_int64 * 3),
+        ("batch", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("seq_q", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("num_splits", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+    ]
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """The loaded library and its kernels by name."""
+
+    path: str
+    handle: ctypes.CDLL
+    kernel_ids: dict  # name -> id
+    manifest: dict
+
+    def check(self, code: int, what: str) -> None:
+        if code != 0:
+            message = self.handle.tessera_error_string(code).decode()
+            raise NativeKernelError(f"{what} failed: CUDA error {code} ({message})")
+
+
+def library_path() -> str:
+    override = os.environ.get("TESSERA_NATIVE_LIB")
+    if override:
+        return override
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native", LIBRARY_FILE)
+
+
+@cache
+def load_library() -> NativeLibrary:
+    """Load and check the native library once per process. Raises ``CatalogError``."""
+    path = library_path()
+    if not os.path.isfile(path):
+        raise CatalogError(
+            f"native library not found at {path}: install with nvcc available (TESSERA_CUDA_ARCHS not 'none') "
+            "or build it with `python csrc/build_native.py`"
+        )
+    try:
+        handle = ctypes.CDLL(path)
+    except OSError as err:
+        raise CatalogError(f"cannot load {path}: {err}") from err
+    handle.tessera_kernel_name.restype = ctypes.c_char_p
+    handle.tessera_error_string.restype = ctypes.c_char_p
+    handle.tessera_attention_forward.argtypes = [ctypes.c_int, ctypes.POINTER(TesseraAttnParams), ctypes.c_void_p]
+    handle.tessera_split_merge.argtypes = [ctypes.POINTER(TesseraMergeParams), ctypes.c_void_p]
+    if handle.tessera_abi_version() != ABI_VERSION:
+        raise CatalogError(f"{path}: ABI version {handle.tessera_abi_version()}, expected {ABI_VERSION}; rebuild it")
+    names = [handle.tessera_kernel_name(i).decode() for i in range(handle.tessera_num_kernels())]
+    known = {row.name for row in all_rows()}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise CatalogError(f"{path} holds kernels the kernel table does not know ({unknown[:3]}...); rebuild it")
+    manifest_path = os.path.join(os.path.dirname(path), "manifest.json")
+    manifest = {}
+    if os.path.isfile(manifest_path):
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        if manifest.get("kernels") != names:
+            raise CatalogError(f"{manifest_path} does not list the kernels of {path}; rebuild the library")
+    return NativeLibrary(path, handle, {n: i for i, n in enumerate(names)}, manifest)
+
+
+def available_kernels() -> tuple[KernelSpec, ...]:
+    """KernelSpecs of every kernel the loaded library holds (``CatalogError`` if none)."""
+    lib = load_library()
+    rows = {row.name: row for row in all_rows()}
+    return tuple(kernel_spec_from_row(rows[name]) for name in lib.kernel_ids)
+
+
+def native_available() -> bool:
+    try:
+        load_library()
+    except CatalogError:
+        return False
+    return torch.cuda.is_available()
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """cp.async moves 16-byte chunks: base and (b, s, h) strides must be 16-byte aligned."""
+    elems = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and all(st % elems == 0 for st in t.stride()[:3])
+
+
+def fill_strides(field, t: torch.Tensor) -> None:
+    for i in range(3):
+        field[i] = t.stride(i)
+
+
+@torch.library.custom_op("tessera::sparse_attention_fwd", mutates_args=(), device_types="cuda")
+def sparse_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tile_counts: torch.Tensor,
+    tile_slots: torch.Tensor,
+    tile_member: torch.Tensor,
+    q_order: torch.Tensor,
+    kernel_id: int,
+    config: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Functional op: returns (out ``[B, Sq, H, D]``, lse ``[B, H, Sq]`` fp32).
+
+    ``config = [num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, grid_size]``."""
+    batch, seq_q, heads, head_dim = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
+    num_splits = config[5]
+    workspace = None
+    if num_splits > 1:
+        workspace = (
+            torch.empty(num_splits, batch, heads, seq_q, head_dim, dtype=torch.float32, device=q.device),
+            torch.empty(num_splits, batch, heads, seq_q, dtype=torch.float32, device=q.device),
+        )
+    launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel_id, config, scale, out, lse, workspace)
+    return out, lse
+
+
+@sparse_attention_fwd.register_fake
+def _(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel_id, config, scale):
+    batch, seq_q, heads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
+
+
+def launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tile_counts: torch.Tensor,
+    tile_slots: torch.Tensor,
+    tile_member: torch.Tensor,
+    q_order: torch.Tensor,
+    kernel_id: int,
+    config: list[int],
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Launch the attention kernel (and the split-K merge) on the current stream; no sync, no allocation."""
+    lib = load_library()
+    batch, seq_q, heads, head_dim = q.shape
+    num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, grid_size = config
+    p = TesseraAttnParams()
+    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    p.lse = lse.data_ptr() if lse is not None else None
+    fill_strides(p.q_stride, q)
+    fill_strides(p.k_stride, k)
+    fill_strides(p.v_stride, v)
+    fill_strides(p.o_stride, out)
+    p.batch, p.heads, p.seq_q, p.seq_kv = batch, heads, seq_q, k.shape[1]
+    p.mask_batch, p.mask_heads = tile_counts.shape[0], tile_counts.shape[1]
+    p.num_q_tiles, p.capacity, p.slots = num_q_tiles, capacity, slots
+    p.q_unit_log2, p.kv_unit_log2 = q_unit_log2, kv_unit_log2
+    p.num_splits, p.grid_size = num_splits, grid_size
+    p.tile_counts, p.tile_slots = tile_counts.data_ptr(), tile_slots.data_ptr()
+    p.tile_member, p.q_order = tile_member.data_ptr(), q_order.data_ptr()
+    p.scale_log2 = scale * LOG2E
+    if num_splits > 1:
+        assert workspace is not None  # internal: callers size it from PreparedPlan.workspace()
+        p.o_partial, p.lse_partial = workspace[0].data_ptr(), workspace[1].data_ptr()
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    lib.check(lib.handle.tessera_attention_forward(kernel_id, ctypes.byref(p), ctypes.c_void_p(stream)), "attention")
+    if num_splits > 1:
+        m = TesseraMergeParams()
+        m.o_partial, m.lse_partial = workspace[0].data_ptr(), workspace[1].data_ptr()
+        m.o = out.data_ptr()
+        m.lse = lse.data_ptr() if lse is not None else None
+        fill_strides(m.o_stride, out)
+        m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits = batch, heads, seq_q, head_dim, num_splits
+        m.dtype = DTYPE_CODES[q.dtype]
+        lib.check(lib.handle.tessera_split_merge(ctypes.byref(m), ctypes.c_void_p(stream)), "split-K merge")
+
+
+def kernel_id(spec: KernelSpec) -> int:
+    ids = load_library().kernel_ids
+    if spec.name not in ids:
+        raise CatalogError(f"kernel {spec.name} is not in the loaded library {load_library().path}")
+    return ids[spec.name]
+
+
+@cache
+def ctas_per_sm(kernel: int, device_index: int) -> int:
+    with torch.cuda.device(device_index):
+        return max(1, load_library().handle.tessera_kernel_ctas_per_sm(kernel))
+
+
+def launch_config(prepared: PreparedPlan, q: torch.Tensor) -> list[int]:
+    plan = prepared.plan
+    grid = 0
+    if plan.tasks.persistent:
+        kid = kernel_id(plan.kernel)
+        props = torch.cuda.get_device_properties(q.device)
+        grid = ctas_per_sm(kid, q.device.index or 0) * props.multi_processor_count
+    return [
+        prepared.num_q_tiles,
+        prepared.capacity,
+        plan.slots_per_tile,
+        int(math.log2(plan.q_unit)),
+        int(math.log2(plan.kv_unit)),
+        plan.tasks.num_splits,
+        grid,
+    ]
+
+
+def run_native(
+    prepared: PreparedPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run ``prepared`` with its native kernel (through the custom op)."""
+    spec = prepared.plan.kernel
+    if q.dtype != spec.torch_dtype or q.shape[-1] != spec.head_dim:
+        raise InvalidArgumentError("q", f"dtype {spec.dtype} and head_dim {spec.head_dim} for {spec.name}",
+                                   f"{q.dtype}, head_dim {q.shape[-1]}")
+    q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
+    out, lse = torch.ops.tessera.sparse_attention_fwd(
+        q,
+        k,
+        v,
+        prepared.tile_counts,
+        prepared.tile_slots,
+        prepared.tile_member,
+        prepared.q_order,
+        kernel_id(spec),
+        launch_config(prepared, q),
+        scale,
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,108 @@
+"""Helpers for tests and checks: random masks with the awkward cases, and the accuracy criterion.
+
+The criterion: a kernel's max error against the fp32 oracle must be at most twice the error of a
+same-precision PyTorch run (the oracle with probabilities and output rounded to the kernel's dtype)
+plus a small absolute tolerance; log-sum-exp must match to fp32 accuracy, -inf exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import reference
+from .mask import LogicalMask
+
+# Geometries every plan family is checked on: the corpus's seven, HunyuanVideo's 384, an odd pair.
+TEST_GEOMETRIES: tuple[tuple[int, int], ...] = (
+    (16, 16),
+    (32, 16),
+    (32, 32),
+    (64, 32),
+    (64, 64),
+    (128, 64),
+    (128, 128),
+    (384, 384),
+    (48, 80),
+)
+
+
+def random_mask(
+    batch: int,
+    heads: int,
+    seq_q: int,
+    seq_kv: int,
+    block_q: int,
+    block_kv: int,
+    density: float = 0.3,
+    empty_rows: bool = True,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> LogicalMask:
+    """A per-(b, h) random mask made of short runs (like video windows), with a few empty rows
+    and the partial last blocks that ``seq_q, seq_kv`` imply."""
+    gen = torch.Generator().manual_seed(seed)
+    n_q, n_kv = math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv)
+    starts = torch.rand(batch, heads, n_q, n_kv, generator=gen) < density / 2
+    grow = torch.rand(batch, heads, n_q, n_kv, generator=gen) < 0.5
+    blocks = starts.clone()
+    blocks[..., 1:] |= starts[..., :-1] & grow[..., 1:]  # runs of length 1-2
+    blocks[..., -1] |= torch.rand(batch, heads, n_q, generator=gen) < 0.5  # partial last KV block
+    if empty_rows and n_q > 2:
+        blocks[:, :, 1] = False
+        blocks[..., -1, :] &= torch.rand(batch, heads, 1, 1, generator=gen) < 0.5
+    return LogicalMask(blocks.to(device), block_q, block_kv, seq_q, seq_kv)
+
+
+def random_qkv(
+    batch: int, seq_q: int, seq_kv: int, heads: int, head_dim: int, dtype: torch.dtype, device, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random (never zero) q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]``; k, v as strided views of a
+    fused buffer, like a diffusers ``to_qkv`` projection."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, seq_q, heads, head_dim, generator=gen, device=device).to(dtype)
+    kv = torch.randn(batch, seq_kv, 2, heads, head_dim, generator=gen, device=device).to(dtype)
+    return q, kv[:, :, 0], kv[:, :, 1]
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    error: float  # max |out - oracle|
+    twin_error: float  # max |same-precision run - oracle|
+    lse_error: float  # max |lse - oracle lse| over finite entries
+    lse_inf_match: bool  # -inf exactly where the oracle has -inf
+
+    def ok(self, atol: float = 2e-3, lse_atol: float = 1e-3) -> bool:
+        return self.error <= 2 * self.twin_error + atol and self.lse_error <= lse_atol and self.lse_inf_match
+
+    def __str__(self) -> str:
+        return (
+            f"err {self.error:.2e} (twin {self.twin_error:.2e}), lse err {self.lse_error:.2e}, "
+            f"-inf match {self.lse_inf_match}"
+        )
+
+
+def check_against_reference(
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: LogicalMask,
+    scale: float | None = None,
+) -> Accuracy:
+    """Compare a kernel's output (and lse) with the fp32 oracle and the same-precision twin."""
+    ref, ref_lse = reference.attention(q, k, v, mask, scale, True, out_dtype=torch.float32)
+    twin = reference.attention(q, k, v, mask, scale, out_dtype=q.dtype, p_dtype=q.dtype)
+    if not bool(torch.isfinite(out).all()):
+        return Accuracy(math.inf, float((twin.float() - ref).abs().max()), math.inf, False)
+    error = float((out.float() - ref).abs().max())
+    twin_error = float((twin.float() - ref).abs().max())
+    if lse is None:
+        return Accuracy(error, twin_error, 0.0, True)
+    finite = torch.isfinite(ref_lse)
+    inf_match = bool(torch.equal(finite, torch.isfinite(lse))) and bool((lse[~finite] == -math.inf).all())
+    lse_error = float((lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0
+    return Accuracy(error, twin_error, lse_error, inf_match)

@@ -1,0 +1,158 @@
+"""Native kernels against the fp32 oracle: every catalog entry x every geometry family x layouts
+x splits, partial blocks and empty rows included. Skipped without CUDA and the native library."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, prepare
+from tessera_diffusers.catalog import portable_kernels
+from tessera_diffusers.eligibility import rejection
+from tessera_diffusers.plans import Request
+from tessera_diffusers.testing import TEST_GEOMETRIES, check_against_reference, random_mask, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+KERNELS = portable_kernels()
+SPLITS = (1, 3)
+
+
+def plans_to_check(kernel, block_q, block_kv):
+    layouts = [KvLayout.CONTIGUOUS] + ([KvLayout.PACKED] if kernel.tile_kv > block_kv else [])
+    for layout in layouts:
+        for splits in SPLITS:
+            yield PhysicalPlan(block_q, block_kv, layout, TaskOrganization(Traversal.LONGEST_FIRST, splits), kernel)
+
+
+def device_request(q, k, mask, plan) -> Request:
+    major, minor = torch.cuda.get_device_capability(q.device)
+    return Request(q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.shape[3], plan.kernel.dtype,
+                   mask.block_q, mask.block_kv, f"sm{major}{minor}", True)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_every_entry_on_every_family(kernel):
+    from tessera_diffusers import ops
+
+    device = torch.device("cuda")
+    dtype = kernel.torch_dtype
+    failures, checked = [], 0
+    for gi, (bq, bkv) in enumerate(TEST_GEOMETRIES):
+        seq_q, seq_kv = 7 * bq + bq // 2 + 3, 9 * bkv - 5  # partial last blocks on both axes
+        mask = random_mask(2, 3, seq_q, seq_kv, bq, bkv, density=0.35, seed=gi, device=device)
+        q, k, v = random_qkv(2, seq_q, seq_kv, 3, kernel.head_dim, dtype, device, seed=gi)
+        state = build_mask_state(mask)
+        for plan in plans_to_check(kernel, bq, bkv):
+            if rejection(plan, device_request(q, k, mask, plan)) is not None:
+                continue
+            prepared = prepare(plan, state)
+            out, lse = ops.run_native(prepared, q, k, v, 1.0 / math.sqrt(kernel.head_dim), True)
+            acc = check_against_reference(out, lse, q, k, v, mask)
+            checked += 1
+            if not acc.ok():
+                failures.append(f"{plan.name}: {acc}")
+    assert checked > 0
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_poisoned_outputs_are_fully_written(splits):
+    from tessera_diffusers import ops
+
+    device = torch.device("cuda")
+    kernel = next(k for k in KERNELS if k.tile_q == 64 and k.tile_kv == 64 and k.head_dim == 128 and k.dtype == "bf16")
+    mask = random_mask(1, 2, 1000, 1000, 32, 16, density=0.3, seed=5, device=device)
+    q, k, v = random_qkv(1, 1000, 1000, 2, 128, torch.bfloat16, device, seed=5)
+    plan = PhysicalPlan(32, 16, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, splits), kernel)
+    prepared = prepare(plan, build_mask_state(mask))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, 2, 1000), float("nan"), device=device)
+    workspace = prepared.workspace(1, 2, 128).allocate(device) if splits > 1 else None
+    ops.launch(q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
+               ops.kernel_id(kernel), ops.launch_config(prepared, q), 1 / math.sqrt(128), out, lse, workspace)
+    torch.cuda.synchronize()
+    assert not bool(out.isnan().any()) and not bool(lse.isnan().any())
+    assert check_against_reference(out, lse, q, k, v, mask).ok()
+
+
+def test_persistent_grid_matches():
+    from tessera_diffusers import ops
+
+    device = torch.device("cuda")
+    kernel = next(k for k in KERNELS if k.tile_q == 128 and k.tile_kv == 128 and k.head_dim == 128 and k.dtype == "fp16")
+    mask = random_mask(2, 4, 3000, 2900, 64, 64, density=0.3, seed=7, device=device)
+    q, k, v = random_qkv(2, 3000, 2900, 4, 128, torch.float16, device, seed=7)
+    plan = PhysicalPlan(64, 64, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 1, persistent=True), kernel)
+    out, lse = ops.run_native(prepare(plan, build_mask_state(mask)), q, k, v, 0.1, True)
+    assert check_against_reference(out, lse, q, k, v, mask, 0.1).ok()
+
+
+def test_offsets_past_two_to_the_31():
+    """B * S * H * D > 2^31: the last (b, h) rows must still land in the right place."""
+    from tessera_diffusers import LogicalMask, ops
+
+    device = torch.device("cuda")
+    batch, seq, heads, dim = 2, 75600, 120, 128
+    assert batch * seq * heads * dim > 2**31
+    q = torch.randn(batch, seq, heads, dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn_like(q)
+    v = torch.randn_like(q)
+    n = math.ceil(seq / 128)
+    blocks = torch.zeros(batch, heads, n, n, dtype=torch.bool, device=device)
+    blocks[-1, -1, -3:, -4:] = True  # only the very end of the tensors is active
+    mask = LogicalMask(blocks, 128, 128, seq, seq)
+    kernel = next(k for k in KERNELS if k.tile_q == 128 and k.tile_kv == 128 and k.head_dim == 128 and k.dtype == "bf16")
+    plan = PhysicalPlan(128, 128, KvLayout.CONTIGUOUS, TaskOrganization(), kernel)
+    out, lse = ops.run_native(prepare(plan, build_mask_state(mask)), q, k, v, 1 / math.sqrt(dim), True)
+    r0 = (n - 3) * 128
+    sub_mask = LogicalMask(blocks[-1:, -1:, -3:, :], 128, 128, seq - r0, seq)
+    acc = check_against_reference(
+        out[-1:, r0:, -1:], lse[-1:, -1:, r0:], q[-1:, r0:, -1:], k[-1:, :, -1:], v[-1:, :, -1:], sub_mask
+    )
+    assert acc.ok(), str(acc)
+    assert bool((out[:1] == 0).all()) and bool((out[-1:, :r0] == 0).all())
+
+
+def test_public_api_routes_to_native():
+    from tessera_diffusers import Runtime, block_sparse_attention
+
+    device = torch.device("cuda")
+    mask = random_mask(1, 4, 4096, 4096, 64, 64, density=0.2, seed=3, device=device)
+    q, k, v = random_qkv(1, 4096, 4096, 4, 128, torch.bfloat16, device, seed=3)
+    runtime = Runtime()
+    out, lse = block_sparse_attention(q, k, v, mask, return_lse=True, runtime=runtime)
+    assert check_against_reference(out, lse, q, k, v, mask).ok()
+    block_sparse_attention(q, k, v, mask, runtime=runtime)
+    assert runtime.hits == 0 and runtime.misses == 2  # return_lse is part of the request
+    block_sparse_attention(q, k, v, mask, runtime=runtime)
+    assert runtime.hits == 1
+
+
+def test_torch_compile_and_cuda_graph():
+    from tessera_diffusers import ops
+
+    device = torch.device("cuda")
+    kernel = next(k for k in KERNELS if k.tile_q == 64 and k.tile_kv == 128 and k.head_dim == 64 and k.dtype == "bf16")
+    mask = random_mask(1, 2, 2048, 2048, 32, 32, density=0.3, seed=11, device=device)
+    q, k, v = random_qkv(1, 2048, 2048, 2, 64, torch.bfloat16, device, seed=11)
+    plan = PhysicalPlan(32, 32, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 2), kernel)
+    prepared = prepare(plan, build_mask_state(mask))
+
+    def f(q, k, v):
+        return ops.run_native(prepared, q, k, v, 0.125, False) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    expected = f(q, k, v)
+    torch.testing.assert_close(compiled(q, k, v), expected)
+
+    static_q = q.clone()
+    f(static_q, k, v)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = f(static_q, k, v)
+    static_q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.testing.assert_close(static_out, f(static_q, k, v))
