@@ -1,0 +1,30 @@
+"""Sparsifiers: ``(q, k, layer, step, latent grid) -> LogicalMask`` for video self-attention.
+
+    SSTASparsifier / ssta_384 / ssta_64   HunyuanVideo-1.5's tile window OR top-k scheme
+    AdaptiveSparsifier                    SPADE-style: geometry and per-head density from pooled scores
+    StaticSparsifier / all_active         a fixed or per-grid user mask
+    DenseWarmup                           full attention for the first steps / layers
+"""
+
+from .adaptive import AdaptiveDecision, AdaptiveSparsifier
+from .base import LatentGrid, Sparsifier
+from .layout import TileLayout, tile_layout
+from .ssta import SSTASparsifier, ssta_64, ssta_384, top_k_for_density
+from .static import StaticSparsifier, all_active
+from .warmup import DenseWarmup
+
+__all__ = [
+    "AdaptiveDecision",
+    "AdaptiveSparsifier",
+    "DenseWarmup",
+    "LatentGrid",
+    "SSTASparsifier",
+    "Sparsifier",
+    "StaticSparsifier",
+    "TileLayout",
+    "all_active",
+    "ssta_384",
+    "ssta_64",
+    "tile_layout",
+    "top_k_for_density",
+]

@@ -1,0 +1,118 @@
+"""Attention backends the processor runs masks with, and the log-sum-exp merge of partial results.
+
+A backend computes block-sparse attention for a ``LogicalMask`` and keeps its per-mask plan state
+in the ``CacheSlot`` it is handed (so state lives exactly as long as the mask in the step cache):
+
+    backend.attention(q, k, v, mask, slot=slot, cache=cache, return_lse=...)
+        q [B, Sq, H, D], k, v [B, Skv, H, D] -> out [B, Sq, H, D] (and lse [B, H, Sq] fp32,
+        natural log, -inf for rows without keys)
+
+``TesseraBackend`` is the default. The benchmark plugs FlexAttention and FlashInfer in through the
+same two methods.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tessera_diffusers import reference
+from tessera_diffusers.mask import LogicalMask
+from tessera_diffusers.mask_state import build_mask_state
+from tessera_diffusers.runtime import Runtime, execute, make_request
+from tessera_diffusers.validation import check_inputs
+
+from .plan_cache import CacheSlot, StepCache, tensor_nbytes
+
+AttentionResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class SparseAttentionBackend(Protocol):
+    name: str
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: LogicalMask,
+        *,
+        slot: CacheSlot,
+        cache: StepCache,
+        return_lse: bool = False,
+    ) -> AttentionResult:
+        ...
+
+
+class TesseraBackend:
+    """Tessera's block-sparse attention with the prepared plan kept in the step cache.
+
+    Selection goes through ``runtime`` (its catalog and plan selection); the prepared plan of each
+    mask is stored in the mask's cache slot, so the runtime's own per-mask cache is not used."""
+
+    name = "tessera"
+
+    def __init__(self, runtime: Runtime | None = None):
+        self.runtime = runtime or Runtime()
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: LogicalMask,
+        *,
+        slot: CacheSlot,
+        cache: StepCache,
+        return_lse: bool = False,
+    ) -> AttentionResult:
+        scale = check_inputs(q, k, v, mask, None)
+        request = make_request(q, k, mask, return_lse)
+
+        def build():
+            prepared = self.runtime.plan_request(build_mask_state(mask), request, None)
+            return prepared, tensor_nbytes(prepared)
+
+        prepared = cache.plan(slot, (self.name, request), build)
+        if prepared is None:  # no native plan for this request: the reference path
+            return reference.attention(q, k, v, mask, scale, return_lse)
+        return execute(prepared, q, k, v, scale, return_lse)
+
+
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets from their normalized outputs and log-sum-exps.
+
+    ``out_* [B, S, H, D]``, ``lse_* [B, H, S]`` fp32 -> (out ``[B, S, H, D]`` in ``out_a``'s dtype,
+    lse ``[B, H, S]``). A row with no key on either side stays 0 (lse -inf)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).transpose(1, 2).unsqueeze(-1)
+    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).transpose(1, 2).unsqueeze(-1)
+    out = out_a.to(torch.float32) * w_a + out_b.to(torch.float32) * w_b
+    return out.to(out_a.dtype), lse
+
+
+def dense_lse_attention(
+    backend: SparseAttentionBackend,
+    cache: StepCache,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full attention with log-sum-exp through ``backend``, with a dense mask shared by shape."""
+    seq_q, seq_kv = q.shape[1], k.shape[1]
+    block_q, block_kv = min(block, round_up16(seq_q)), min(block, round_up16(seq_kv))
+    key = ("dense", seq_q, seq_kv, block_q, block_kv, str(q.device))
+    slot = cache.shared_slot(key, lambda: LogicalMask.dense(seq_q, seq_kv, block_q, block_kv, device=q.device))
+    return backend.attention(q, k, v, slot.mask, slot=slot, cache=cache, return_lse=True)
+
+
+def round_up16(n: int) -> int:
+    return max(16, math.ceil(n / 16) * 16)

@@ -1,0 +1,186 @@
+"""Per-step reuse: masks and prepared plan state per (model, layer, guidance branch).
+
+A diffusion loop calls every attention layer once per step and guidance branch with the same
+shapes, and sparse masks change slowly across steps. ``StepCache`` keeps, per key
+``(model, layer, branch)``, the mask a sparsifier made and every backend's plan state for it:
+
+- the mask is recomputed when ``recompute_every`` steps have passed since it was made (or when the
+  token layout, batch or sequence changes, or the step went backwards: a new run);
+- the plan state (Tessera's prepared plan, a FlexAttention ``BlockMask``, ...) is kept while the
+  slot holds the same mask object; a new mask object drops it (a sparsifier that returns the same
+  object for an unchanged pattern keeps it);
+- "dense" decisions (``None`` masks) are never kept: they are cheap to ask again, and a dense
+  warm-up must end on time whatever the cadence;
+- the total size of everything kept is bounded by ``max_bytes``; the least recently used slots go
+  first (never the one being used).
+
+Dense helper masks (text keys of HunyuanVideo-1.5) live in shared slots keyed by shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera_diffusers.errors import InvalidArgumentError
+from tessera_diffusers.mask import LogicalMask
+
+DEFAULT_MAX_BYTES = 4 << 30
+
+
+@dataclass(eq=False)
+class CacheSlot:
+    """What is kept for one key: a mask and the plan state built for it."""
+
+    key: Hashable
+    mask: LogicalMask | None
+    step: int  # step the mask was computed at
+    signature: Hashable  # what the mask is valid for (layout, batch, sequence)
+    plans: dict = field(default_factory=dict)  # backend plan key -> plan state
+    mask_bytes: int = 0
+    plan_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.mask_bytes + self.plan_bytes
+
+
+@dataclass
+class CacheStats:
+    mask_computes: int = 0  # sparsifier calls
+    mask_reuses: int = 0  # calls served by a kept mask
+    plan_builds: int = 0  # backend plan states built
+    plan_reuses: int = 0  # calls served by a kept plan state
+    evictions: int = 0
+    peak_bytes: int = 0
+
+
+class StepCache:
+    """Masks and plan state per (model, layer, branch); see the module docstring.
+
+    Args:
+        recompute_every: steps a mask is used for before it is recomputed (1: every step).
+        max_bytes: bound on the bytes kept (masks + plan state).
+    """
+
+    def __init__(self, recompute_every: int = 1, max_bytes: int = DEFAULT_MAX_BYTES):
+        if isinstance(recompute_every, bool) or not isinstance(recompute_every, int) or recompute_every < 1:
+            raise InvalidArgumentError("recompute_every", "an int >= 1", repr(recompute_every))
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise InvalidArgumentError("max_bytes", "an int >= 0", repr(max_bytes))
+        self.recompute_every = recompute_every
+        self.max_bytes = max_bytes
+        self.slots: OrderedDict[Hashable, CacheSlot] = OrderedDict()
+        self.stats = CacheStats()
+
+    # ------------------------------------------------------------------ masks
+    def kept_mask(self, key: Hashable, step: int, signature: Hashable) -> CacheSlot | None:
+        """The slot whose mask can serve ``step``, or None when the mask must be (re)computed."""
+        slot = self.slots.get(key)
+        if slot is None or slot.mask is None or slot.signature != signature:
+            return None
+        if step < slot.step or step - slot.step >= self.recompute_every:
+            return None
+        self.slots.move_to_end(key)
+        self.stats.mask_reuses += 1
+        return slot
+
+    def store_mask(self, key: Hashable, mask: LogicalMask | None, step: int, signature: Hashable) -> CacheSlot:
+        """Record a freshly computed mask (plan state survives only if it is the same object)."""
+        self.stats.mask_computes += 1
+        slot = self.slots.get(key)
+        if slot is not None and slot.mask is mask and mask is not None and slot.signature == signature:
+            slot.step = step
+            self.slots.move_to_end(key)
+            return slot
+        slot = CacheSlot(key, mask, step, signature, mask_bytes=mask_nbytes(mask))
+        if mask is None:
+            self.slots.pop(key, None)  # dense decisions are not kept
+            return slot
+        self.slots[key] = slot
+        self.slots.move_to_end(key)
+        self.enforce_bound(keep=key)
+        return slot
+
+    def shared_slot(self, key: Hashable, make_mask) -> CacheSlot:
+        """A slot that never expires (e.g. a dense helper mask keyed by its shape)."""
+        slot = self.slots.get(key)
+        if slot is None:
+            mask = make_mask()
+            slot = CacheSlot(key, mask, 0, key, mask_bytes=mask_nbytes(mask))
+            self.slots[key] = slot
+            self.enforce_bound(keep=key)
+        self.slots.move_to_end(key)
+        return slot
+
+    # ------------------------------------------------------------------ plans
+    def plan(self, slot: CacheSlot, plan_key: Hashable, build) -> object:
+        """The plan state of ``slot`` for ``plan_key``, built with ``build() -> (state, nbytes)``
+        when missing."""
+        if plan_key in slot.plans:
+            self.stats.plan_reuses += 1
+            return slot.plans[plan_key]
+        state, nbytes = build()
+        self.stats.plan_builds += 1
+        slot.plans[plan_key] = state
+        slot.plan_bytes += int(nbytes)
+        if slot.key in self.slots:
+            self.enforce_bound(keep=slot.key)
+        return state
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot in self.slots.values())
+
+    def enforce_bound(self, keep: Hashable) -> None:
+        total = self.nbytes
+        for key in list(self.slots):
+            if total <= self.max_bytes:
+                break
+            if key == keep:
+                continue
+            total -= self.slots.pop(key).nbytes
+            self.stats.evictions += 1
+        self.stats.peak_bytes = max(self.stats.peak_bytes, total)
+
+    def clear(self) -> None:
+        self.slots.clear()
+
+    def report(self) -> dict:
+        """Counts and memory (bytes) of the cache."""
+        return {
+            "slots": len(self.slots),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+            "recompute_every": self.recompute_every,
+            **dataclasses.asdict(self.stats),
+        }
+
+
+def mask_nbytes(mask: LogicalMask | None) -> int:
+    return 0 if mask is None else tensor_nbytes(mask.blocks)
+
+
+def tensor_nbytes(obj: object, seen: set | None = None) -> int:
+    """Bytes of the tensors reachable from ``obj`` through dataclass fields, tuples, lists and dicts;
+    shared storage counted once."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        ident = (obj.device, storage.data_ptr())
+        if ident in seen:
+            return 0
+        seen.add(ident)
+        return storage.nbytes()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(tensor_nbytes(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_nbytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_nbytes(x, seen) for x in obj.values())
+    return 0

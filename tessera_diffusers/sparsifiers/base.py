@@ -1,0 +1,96 @@
+"""The sparsifier protocol: ``(q, k, layer, step, latent grid) -> LogicalMask``.
+
+A sparsifier decides *which* video-token blocks attend to which. It works on the video tokens of
+one self-attention call in the token order of its ``layout(grid)`` (a ``TileLayout``: 3-D tiles,
+or plain raster order), and returns a ``LogicalMask`` over ``(S, S)`` in that order — or ``None``
+for full attention (dense warm-up, or an adaptive choice). The processor permutes the tokens into
+the layout's order before it calls the sparsifier and permutes the attention output back.
+
+Text tokens (HunyuanVideo-1.5 joint attention) are never part of a sparsifier's mask: the processor
+keeps them dense (video queries see every valid text key, text queries see every valid key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..errors import InvalidArgumentError
+from ..mask import LogicalMask
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(name, "a positive int", repr(value))
+    return value
+
+
+def check_triple(name: str, value: object) -> tuple[int, int, int]:
+    """A ``(frames, height, width)`` triple of positive ints."""
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise InvalidArgumentError(name, "a (frames, height, width) triple of positive ints", repr(value))
+    return tuple(check_positive_int(f"{name}[{i}]", v) for i, v in enumerate(value))  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class LatentGrid:
+    """The video token grid after patch embedding: ``frames x height x width`` tokens in raster
+    order ``(frame, height, width)``."""
+
+    frames: int
+    height: int
+    width: int
+
+    def __post_init__(self) -> None:
+        check_triple("latent grid", (self.frames, self.height, self.width))
+
+    @classmethod
+    def of(cls, value: LatentGrid | tuple[int, int, int] | list[int]) -> LatentGrid:
+        if isinstance(value, LatentGrid):
+            return value
+        frames, height, width = check_triple("latent_grid", value)
+        return cls(frames, height, width)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.frames * self.height * self.width
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.frames, self.height, self.width)
+
+    def __str__(self) -> str:
+        return f"{self.frames}x{self.height}x{self.width}"
+
+
+@runtime_checkable
+class Sparsifier(Protocol):
+    """What the processor asks of a sparsifier.
+
+    ``layout(grid)`` is the token order the mask refers to (pure function of the grid).
+    ``__call__`` gets ``q, k: [B, S, H, D]`` already in that order (S = grid.num_tokens) and returns
+    a ``LogicalMask`` over ``(S, S)`` broadcastable to ``(B, H)``, or ``None`` for full attention.
+    Returning the *same* mask object for an unchanged pattern lets prepared plans be reused.
+    """
+
+    def layout(self, grid: LatentGrid):  # -> TileLayout (imported lazily to keep this module light)
+        ...
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid
+    ) -> LogicalMask | None:
+        ...
+
+
+def check_qk(q: torch.Tensor, k: torch.Tensor, grid: LatentGrid) -> None:
+    """Raise unless ``q, k`` are ``[B, S, H, D]`` with ``S = grid.num_tokens``."""
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise InvalidArgumentError(name, "a [B, S, H, D] tensor", getattr(t, "shape", type(t).__name__))
+        if t.shape[1] != grid.num_tokens:
+            raise InvalidArgumentError(
+                name, f"S = {grid.num_tokens} tokens (latent grid {grid})", f"shape {tuple(t.shape)}"
+            )
+    if q.shape != k.shape:
+        raise InvalidArgumentError("k", f"the shape of q {tuple(q.shape)}", tuple(k.shape))
