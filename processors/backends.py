@@ -13,7 +13,6 @@ same two methods.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -27,6 +26,7 @@ from tessera_diffusers.validation import check_inputs
 from .plan_cache import CacheSlot, StepCache, tensor_nbytes
 
 AttentionResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+DENSE_BLOCK = 128  # block size of the dense helper masks (text keys / text queries)
 
 
 @runtime_checkable
@@ -104,15 +104,15 @@ def dense_lse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    block: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full attention with log-sum-exp through ``backend``, with a dense mask shared by shape."""
+    """Full attention with log-sum-exp through ``backend``, with a dense mask shared by shape
+    (blocks of 128 tokens, 64 for short sequences; the last block is partial)."""
     seq_q, seq_kv = q.shape[1], k.shape[1]
-    block_q, block_kv = min(block, round_up16(seq_q)), min(block, round_up16(seq_kv))
+    block_q, block_kv = dense_block(seq_q), dense_block(seq_kv)
     key = ("dense", seq_q, seq_kv, block_q, block_kv, str(q.device))
     slot = cache.shared_slot(key, lambda: LogicalMask.dense(seq_q, seq_kv, block_q, block_kv, device=q.device))
     return backend.attention(q, k, v, slot.mask, slot=slot, cache=cache, return_lse=True)
 
 
-def round_up16(n: int) -> int:
-    return max(16, math.ceil(n / 16) * 16)
+def dense_block(seq: int) -> int:
+    return DENSE_BLOCK if seq > DENSE_BLOCK // 2 else DENSE_BLOCK // 2
