@@ -22,8 +22,12 @@ class BuildWithNative(build_py):
         super().run()
         from build_native import build_native_library  # csrc/build_native.py
 
-        out_dir = os.path.join(self.build_lib, "tessera_diffusers", "_native")
-        build_native_library(out_dir, log=self.announce)
+        root = os.path.dirname(os.path.abspath(__file__))
+        if getattr(self, "editable_mode", False):  # editable installs import from the source tree
+            out_dir = os.path.join(root, "tessera_diffusers", "_native")
+        else:
+            out_dir = os.path.join(self.build_lib, "tessera_diffusers", "_native")
+        build_native_library(out_dir, log=lambda msg, level=2: print(msg, flush=True))
 
 
 setup(

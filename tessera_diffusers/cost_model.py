@@ -20,7 +20,7 @@ from .plans import Family, KvLayout, PhysicalPlan, Request
 class DeviceRates:
     """Effective rates of one GPU (measured dense numbers, not datasheet peaks)."""
 
-    tflops_portable: float = 340.0  # mma.sync flash kernel, large tiles
+    tflops_portable: float = 300.0  # mma.sync flash kernel, best tile
     tflops_hopper: float = 620.0  # wgmma flash kernel, large tiles
     bandwidth_gbs: float = 4300.0
     tile_overhead_us: float = 0.02  # per KV tile step of one CTA (latency of a small tile)
@@ -30,8 +30,23 @@ class DeviceRates:
 H200 = DeviceRates()
 
 
-def tile_efficiency(tile_q: int, tile_kv: int) -> float:
+# Throughput on the computed (scheduled) area of portable kernels by (tile_q, tile_kv, warps), TFLOP/s,
+# measured on one H200 (bf16, D=128, N=32768, H=24, ~10% video-like masks; benchmarks/portable_quick.py).
+# A profiled plan table replaces these rankings; other GPUs scale them by their dense rate.
+PORTABLE_TILE_TFLOPS = {
+    (128, 64, 4): 300.0,
+    (128, 64, 8): 280.0,
+    (128, 128, 8): 285.0,
+    (64, 64, 4): 245.0,
+    (64, 128, 4): 215.0,
+}
+
+
+def tile_efficiency(tile_q: int, tile_kv: int, warps: int = 4) -> float:
     """Fraction of the large-tile rate a tile shape reaches (smaller tiles reuse operands less)."""
+    measured = PORTABLE_TILE_TFLOPS.get((tile_q, tile_kv, warps))
+    if measured is not None:
+        return measured / max(PORTABLE_TILE_TFLOPS.values())
     return min(1.0, (tile_q * tile_kv / (128 * 128)) ** 0.25)
 
 
@@ -59,7 +74,7 @@ def estimate_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rates
         kv_waste = 1.0  # gathered tiles are full up to the last one of each row
     computed = area * q_waste * kv_waste
     rate = rates.tflops_hopper if plan.kernel.family is Family.HOPPER else rates.tflops_portable
-    rate *= tile_efficiency(plan.tile_q, plan.tile_kv)
+    rate *= tile_efficiency(plan.tile_q, plan.tile_kv, plan.kernel.warps)
     math_ms = 4.0 * req.head_dim * computed / (rate * 1e12) * 1e3
 
     tiles = computed / (plan.tile_q * plan.tile_kv)

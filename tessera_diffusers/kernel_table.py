@@ -36,6 +36,7 @@ PORTABLE_TILES: tuple[TileConfig, ...] = (
     TileConfig(64, 64, 4),
     TileConfig(64, 128, 4),
     TileConfig(128, 64, 4),
+    TileConfig(128, 64, 8),
     TileConfig(128, 128, 8),
 )
 HEAD_DIMS: tuple[int, ...] = (64, 128)

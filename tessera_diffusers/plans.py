@@ -171,7 +171,7 @@ class PhysicalPlan:
         k = self.kernel
         return (
             f"{self.mapping_name}_q{self.tile_q}k{self.tile_kv}_from_q{self.block_q}k{self.block_kv}"
-            f"_d{k.head_dim}_{k.dtype}_{k.arch}_{k.family.value}_s{k.stages}_{self.tasks.name}"
+            f"_d{k.head_dim}_{k.dtype}_{k.arch}_{k.family.value}_s{k.stages}w{k.warps}_{self.tasks.name}"
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .catalog import plans_for
+from .catalog import plans_for, portable_kernels
 from .cost_model import estimate_ms
 from .eligibility import rejection
 from .errors import CatalogError
@@ -36,10 +36,13 @@ class Selection:
         return "\n".join(lines)
 
 
-def native_candidates(request: Request) -> tuple[list[PhysicalPlan], str | None]:
-    """Plans the loaded native library can run for ``request``, or the reason there are none."""
+def native_candidates(request: Request, assume_native: bool = False) -> tuple[list[PhysicalPlan], str | None]:
+    """Plans the loaded native library can run for ``request``, or the reason there are none.
+    ``assume_native`` ranks the whole kernel table instead (to explain plans on another machine)."""
     if request.arch == "cpu":
         return [], "CPU tensors run on the reference path"
+    if assume_native:
+        return plans_for(request.block_q, request.block_kv, portable_kernels()), None
     from . import ops
 
     try:
@@ -49,8 +52,9 @@ def native_candidates(request: Request) -> tuple[list[PhysicalPlan], str | None]
     return plans_for(request.block_q, request.block_kv, kernels), None
 
 
-def rank(request: Request, state: MaskState) -> Selection:
-    candidates, why_none = native_candidates(request)
+def rank(request: Request, state: MaskState, assume_native: bool = False) -> Selection:
+    """Rank every candidate plan of ``request`` with the cost model; eligibility reasons kept."""
+    candidates, why_none = native_candidates(request, assume_native)
     if not candidates:
         return Selection(request, (), (("native", why_none or "no plans"),), None)
     stats = state.host_stats()

@@ -52,7 +52,7 @@ def random_mask(
     blocks[..., -1] |= torch.rand(batch, heads, n_q, generator=gen) < 0.5  # partial last KV block
     if empty_rows and n_q > 2:
         blocks[:, :, 1] = False
-        blocks[..., -1, :] &= torch.rand(batch, heads, 1, 1, generator=gen) < 0.5
+        blocks[..., -1, :] &= torch.rand(batch, heads, 1, generator=gen) < 0.5
     return LogicalMask(blocks.to(device), block_q, block_kv, seq_q, seq_kv)
 
 

@@ -50,7 +50,8 @@ template <class T>
 struct TileMeta {
   int slot_start[T::kMaxSlots];
   unsigned long long member;
-  int full;  // every (row, column) of the tile is active and inside Skv: no masking needed
+  int needs_mask;  // some (row, column) of the tile is inactive or past Skv
+  int partial;     // the tile reaches past Skv (the last, partial block)
 };
 
 template <class T>
@@ -60,15 +61,15 @@ __device__ __forceinline__ void load_q_tile(const TesseraAttnParams& p, const Ta
   const Element* q = static_cast<const Element*>(p.q);
   const int row0 = t.q_tile * T::kTileQ;
   constexpr int kIters = T::kTileQ * T::kChunksPerRow / T::kThreads;
+  constexpr int kRowStep = T::kThreads / T::kChunksPerRow;
+  const int chunk = threadIdx.x % T::kChunksPerRow, row_in = threadIdx.x / T::kChunksPerRow;
+  const Element* base = q + int64_t(t.b) * p.q_stride[0] + int64_t(t.h) * p.q_stride[2] + chunk * T::kChunkElems;
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
-    const int c = threadIdx.x + i * T::kThreads;
-    const int row = c / T::kChunksPerRow, chunk = c % T::kChunksPerRow;
+    const int row = row_in + i * kRowStep;
     const int token = row0 + row;
     const bool ok = token < p.seq_q;
-    const int64_t offset =
-        int64_t(t.b) * p.q_stride[0] + int64_t(ok ? token : 0) * p.q_stride[1] + int64_t(t.h) * p.q_stride[2];
-    cp_async_16(smem_addr(sQ + swizzled<T>(row, chunk)), q + offset + chunk * T::kChunkElems, ok ? 16 : 0);
+    cp_async_16(smem_addr(sQ + swizzled<T>(row, chunk)), base + int64_t(ok ? token : 0) * p.q_stride[1], ok ? 16 : 0);
   }
 }
 
@@ -84,19 +85,20 @@ __device__ __forceinline__ void load_kv_tile(const TesseraAttnParams& p, const T
   const int32_t* slots = p.tile_slots + meta_tile * p.slots;
   const int unit_mask = (1 << p.kv_unit_log2) - 1;
   constexpr int kIters = T::kTileKV * T::kChunksPerRow / T::kThreads;
+  constexpr int kRowStep = T::kThreads / T::kChunksPerRow;
+  const int chunk = threadIdx.x % T::kChunksPerRow, row_in = threadIdx.x / T::kChunksPerRow;
+  const Element* k_base = k + int64_t(t.b) * p.k_stride[0] + int64_t(t.h) * p.k_stride[2] + chunk * T::kChunkElems;
+  const Element* v_base = v + int64_t(t.b) * p.v_stride[0] + int64_t(t.h) * p.v_stride[2] + chunk * T::kChunkElems;
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
-    const int c = threadIdx.x + i * T::kThreads;
-    const int row = c / T::kChunksPerRow, chunk = c % T::kChunksPerRow;
+    const int row = row_in + i * kRowStep;
     const int start = __ldg(slots + (row >> p.kv_unit_log2));
     const int token = start + (row & unit_mask);
     const bool ok = start >= 0 && token < p.seq_kv;
     const int64_t tok = ok ? token : 0;
-    const int64_t k_off = int64_t(t.b) * p.k_stride[0] + tok * p.k_stride[1] + int64_t(t.h) * p.k_stride[2];
-    const int64_t v_off = int64_t(t.b) * p.v_stride[0] + tok * p.v_stride[1] + int64_t(t.h) * p.v_stride[2];
     const int dst = swizzled<T>(row, chunk);
-    cp_async_16(smem_addr(sK + dst), k + k_off + chunk * T::kChunkElems, ok ? 16 : 0);
-    cp_async_16(smem_addr(sV + dst), v + v_off + chunk * T::kChunkElems, ok ? 16 : 0);
+    cp_async_16(smem_addr(sK + dst), k_base + tok * p.k_stride[1], ok ? 16 : 0);
+    cp_async_16(smem_addr(sV + dst), v_base + tok * p.v_stride[1], ok ? 16 : 0);
   }
   if (threadIdx.x < p.slots) meta.slot_start[threadIdx.x] = __ldg(slots + threadIdx.x);
   if (threadIdx.x == 0) {
@@ -105,7 +107,8 @@ __device__ __forceinline__ void load_kv_tile(const TesseraAttnParams& p, const T
     const unsigned long long all = bits >= 64 ? ~0ull : ((1ull << bits) - 1ull);
     const int last = __ldg(slots + p.slots - 1);
     meta.member = member;
-    meta.full = member == all && last >= 0 && last + (1 << p.kv_unit_log2) <= p.seq_kv;
+    meta.partial = last < 0 || last + (1 << p.kv_unit_log2) > p.seq_kv;
+    meta.needs_mask = member != all || meta.partial;
   }
 }
 
@@ -116,40 +119,80 @@ struct RowState {
   float sum[T::kMTiles][2];  // this thread's partial row sum (reduced over the quad at the end)
 };
 
+// Scores of inactive (row, column) pairs become -inf. A slot is at least 16 tokens wide, so the
+// slot of a column depends only on its n8 tile, and each row needs one S-bit slice of the word.
 template <class T>
 __device__ __forceinline__ void mask_scores(const TesseraAttnParams& p, const TileMeta<T>& meta, int warp_row0,
                                             float (&s)[T::kMTiles][T::kNTilesS][4]) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, tq = lane & 3;
+  const unsigned slot_bits = (1u << p.slots) - 1u;
+  unsigned row_bits[T::kMTiles][2];
+#pragma unroll
+  for (int m = 0; m < T::kMTiles; ++m)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + m * 16 + g + 8 * half;
+      row_bits[m][half] = unsigned(meta.member >> ((row >> p.q_unit_log2) * p.slots)) & slot_bits;
+    }
   const int unit_mask = (1 << p.kv_unit_log2) - 1;
 #pragma unroll
   for (int nt = 0; nt < T::kNTilesS; ++nt) {
+    const int slot = (nt * 8) >> p.kv_unit_log2;
+    bool col_ok[2] = {true, true};
+    if (meta.partial) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = nt * 8 + 2 * tq + e;
-      const int slot = col >> p.kv_unit_log2;
-      const bool col_ok = meta.slot_start[slot] + (col & unit_mask) < p.seq_kv;
-#pragma unroll
-      for (int m = 0; m < T::kMTiles; ++m) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = warp_row0 + m * 16 + g + 8 * half;
-          const int bit = (row >> p.q_unit_log2) * p.slots + slot;
-          const bool ok = col_ok && ((meta.member >> bit) & 1ull);
-          if (!ok) s[m][nt][2 * half + e] = -CUDART_INF_F;
-        }
+      for (int e = 0; e < 2; ++e) {
+        const int col = nt * 8 + 2 * tq + e;
+        col_ok[e] = meta.slot_start[slot] + (col & unit_mask) < p.seq_kv;
       }
     }
+#pragma unroll
+    for (int m = 0; m < T::kMTiles; ++m)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const bool row_ok = (row_bits[m][half] >> slot) & 1u;
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (!(row_ok && col_ok[e])) s[m][nt][2 * half + e] = -CUDART_INF_F;
+      }
   }
 }
 
+// Byte offsets of this lane's ldmatrix rows inside the Q, K and V tiles. With the xor swizzle,
+// chunk (2k + c) ^ (row % 8) = 8 * (k / 4) + ((2 * (k % 4)) ^ c ^ (row % 8)): four registers per
+// operand cover every k step; whole 16-row groups and the k / 4 part are immediate offsets.
 template <class T>
-__device__ __forceinline__ void compute_tile(const TesseraAttnParams& p, const typename T::Element* sQ,
-                                             const typename T::Element* sK, const typename T::Element* sV,
-                                             const TileMeta<T>& meta, RowState<T>& state,
+struct LaneOffsets {
+  uint32_t q[4], k[4], v[4];
+
+  __device__ __forceinline__ LaneOffsets() {
+    const int lane = threadIdx.x & 31;
+    const int warp_row0 = (threadIdx.x >> 5) * T::kWarpRows;
+    const int r7 = lane & 7;
+    const int q_row = warp_row0 + r7 + 8 * ((lane >> 3) & 1), q_c = lane >> 4;
+    const int k_row = r7 + 8 * (lane >> 4), k_c = (lane >> 3) & 1;
+    const int v_row = r7 + 8 * ((lane >> 3) & 1), v_c = lane >> 4;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      q[j] = (q_row * T::kChunksPerRow + ((2 * j) ^ q_c ^ r7)) * 16;
+      k[j] = (k_row * T::kChunksPerRow + ((2 * j) ^ k_c ^ r7)) * 16;
+      v[j] = (v_row * T::kChunksPerRow + ((2 * j) ^ v_c ^ r7)) * 16;
+    }
+  }
+};
+
+// Byte offset of row group `rows` and chunk group `step / 4` (compile-time in unrolled loops).
+template <class T>
+__device__ __forceinline__ constexpr uint32_t tile_offset(int rows, int step) {
+  return uint32_t((rows * T::kChunksPerRow + 8 * (step >> 2)) * 16);
+}
+
+template <class T>
+__device__ __forceinline__ void compute_tile(const TesseraAttnParams& p, uint32_t sQ, uint32_t sK, uint32_t sV,
+                                             const LaneOffsets<T>& lo, const TileMeta<T>& meta, RowState<T>& state,
                                              float (&acc)[T::kMTiles][T::kNTilesO][4]) {
   using Element = typename T::Element;
-  const int lane = threadIdx.x & 31;
   const int warp_row0 = (threadIdx.x >> 5) * T::kWarpRows;
 
   // S = Q K^T for this warp's rows.
@@ -165,15 +208,11 @@ __device__ __forceinline__ void compute_tile(const TesseraAttnParams& p, const t
   for (int ks = 0; ks < T::kKStepsS; ++ks) {
     uint32_t a[T::kMTiles][4];
 #pragma unroll
-    for (int m = 0; m < T::kMTiles; ++m) {
-      const int row = warp_row0 + m * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-      ldmatrix_x4(a[m], smem_addr(sQ + swizzled<T>(row, 2 * ks + (lane >> 4))));
-    }
+    for (int m = 0; m < T::kMTiles; ++m) ldmatrix_x4(a[m], sQ + lo.q[ks & 3] + tile_offset<T>(m * 16, ks));
 #pragma unroll
     for (int np = 0; np < T::kNTilesS / 2; ++np) {
       uint32_t b[4];
-      const int key = np * 16 + (lane & 7) + 8 * (lane >> 4);
-      ldmatrix_x4(b, smem_addr(sK + swizzled<T>(key, 2 * ks + ((lane >> 3) & 1))));
+      ldmatrix_x4(b, sK + lo.k[ks & 3] + tile_offset<T>(np * 16, ks));
 #pragma unroll
       for (int m = 0; m < T::kMTiles; ++m) {
         mma_16816<Element>(s[m][2 * np], a[m], b[0], b[1]);
@@ -182,7 +221,7 @@ __device__ __forceinline__ void compute_tile(const TesseraAttnParams& p, const t
     }
   }
 
-  if (!meta.full) mask_scores<T>(p, meta, warp_row0, s);
+  if (meta.needs_mask) mask_scores<T>(p, meta, warp_row0, s);
 
   // Online softmax: new running max, rescale the accumulator, probabilities in place.
 #pragma unroll
@@ -198,14 +237,14 @@ __device__ __forceinline__ void compute_tile(const TesseraAttnParams& p, const t
       const float new_max = fmaxf(state.max[m][half], tile_max * p.scale_log2);
       // A row with no active key so far keeps max = -inf; subtract 0 instead so exp2 gives 0, not NaN.
       const float ref = new_max == -CUDART_INF_F ? 0.f : new_max;
-      const float alpha = exp2f(state.max[m][half] - ref);
+      const float alpha = fast_exp2(state.max[m][half] - ref);
       state.max[m][half] = new_max;
       float row_sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < T::kNTilesS; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float prob = exp2f(fmaf(s[m][nt][2 * half + e], p.scale_log2, -ref));
+          const float prob = fast_exp2(fmaf(s[m][nt][2 * half + e], p.scale_log2, -ref));
           s[m][nt][2 * half + e] = prob;
           row_sum += prob;
         }
@@ -233,8 +272,7 @@ __device__ __forceinline__ void compute_tile(const TesseraAttnParams& p, const t
 #pragma unroll
     for (int dp = 0; dp < T::kNTilesO / 2; ++dp) {
       uint32_t b[4];
-      const int key = kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-      ldmatrix_x4_trans(b, smem_addr(sV + swizzled<T>(key, 2 * dp + (lane >> 4))));
+      ldmatrix_x4_trans(b, sV + lo.v[dp & 3] + tile_offset<T>(kk * 16, dp));
 #pragma unroll
       for (int m = 0; m < T::kMTiles; ++m) {
         mma_16816<Element>(acc[m][2 * dp], a[m], b[0], b[1]);
@@ -299,6 +337,9 @@ __global__ void __launch_bounds__(T::kThreads) attention_kernel(const __grid_con
   Element* sV = sK + T::kStages * T::kSmemKVElems;
   __shared__ TileMeta<T> meta[T::kStages];
 
+  const LaneOffsets<T> lanes;
+  const uint32_t q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
+  constexpr uint32_t kStageBytes = T::kSmemKVElems * sizeof(Element);
   const int64_t num_tasks = int64_t(p.num_q_tiles) * p.batch * p.heads * p.num_splits;
   for (int64_t task_id = blockIdx.x; task_id < num_tasks; task_id += gridDim.x) {
     const Task t = decode_task(p, task_id);
@@ -339,7 +380,7 @@ __global__ void __launch_bounds__(T::kThreads) attention_kernel(const __grid_con
         cp_async_wait<T::kStages - 1>();
         __syncthreads();
         const int st = i % T::kStages;
-        compute_tile<T>(p, sQ, sK + st * T::kSmemKVElems, sV + st * T::kSmemKVElems, meta[st], state, acc);
+        compute_tile<T>(p, q_base, k_base + st * kStageBytes, v_base + st * kStageBytes, lanes, meta[st], state, acc);
         __syncthreads();
       }
     }
@@ -350,10 +391,10 @@ __global__ void __launch_bounds__(T::kThreads) attention_kernel(const __grid_con
 template <class T>
 int launch_attention(const TesseraAttnParams& p, cudaStream_t stream) {
   auto kernel = attention_kernel<T>;
-  if (T::kSmemBytes > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
-    if (err != cudaSuccess) return int(err);
-  }
+  // Dynamic plus static shared memory may pass 48 KB even when the dynamic part alone does not;
+  // the attribute is per device, so it is set on every launch (a host-side call of ~1 us).
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (err != cudaSuccess) return int(err);
   const int64_t num_tasks = int64_t(p.num_q_tiles) * p.batch * p.heads * p.num_splits;
   if (num_tasks == 0) return 0;
   const int64_t grid = p.grid_size > 0 && p.grid_size < num_tasks ? p.grid_size : num_tasks;
@@ -364,8 +405,7 @@ int launch_attention(const TesseraAttnParams& p, cudaStream_t stream) {
 template <class T>
 int ctas_per_sm() {
   int blocks = 0;
-  if (T::kSmemBytes > 48 * 1024)
-    cudaFuncSetAttribute(attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  cudaFuncSetAttribute(attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attention_kernel<T>, T::kThreads, T::kSmemBytes);
   return blocks;
 }

@@ -40,6 +40,7 @@ struct Traits {
   static_assert(kStages >= 2 && kStages <= 4, "pipeline depth 2-4");
   static_assert((kTileQ * kChunksPerRow) % kThreads == 0, "Q tile loads split evenly over threads");
   static_assert((kTileKV * kChunksPerRow) % kThreads == 0, "K/V tile loads split evenly over threads");
+  static_assert((kThreads / kChunksPerRow) % 8 == 0, "each loader thread keeps one swizzle phase");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA fits an H100/H200 SM");
 };
 
