@@ -1,0 +1,91 @@
+"""Kernel table, catalog plans, eligibility reasons, selection on CPU and the cost model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tessera_diffusers import LogicalMask, build_mask_state
+from tessera_diffusers.catalog import catalog_hash, plans_for, portable_kernels
+from tessera_diffusers.cost_model import estimate_ms
+from tessera_diffusers.eligibility import rejection
+from tessera_diffusers.kernel_table import all_rows
+from tessera_diffusers.plans import AxisMapping, Request
+from tessera_diffusers.selector import rank, select
+from tessera_diffusers.testing import random_mask
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_kernel_names_are_unique_and_deterministic():
+    names = [r.name for r in all_rows()]
+    assert len(names) == len(set(names))
+    assert [k.name for k in portable_kernels()] == names[: len(portable_kernels())]
+    assert catalog_hash(portable_kernels()) == catalog_hash(portable_kernels())
+    assert "portable_t64x64_d128_bf16_s2_w4_sm80" in names
+
+
+def test_plan_names_are_unique_per_geometry():
+    for bq, bkv in ((16, 16), (64, 64), (128, 128), (384, 384)):
+        plans = plans_for(bq, bkv, portable_kernels())
+        assert len({p.name for p in plans}) == len(plans)
+
+
+def request(arch="sm90", bq=64, bkv=64, dtype="bf16", head_dim=128, seq=32768):
+    return Request(1, 24, seq, seq, head_dim, dtype, bq, bkv, arch)
+
+
+def test_eligibility_gives_reasons():
+    plans = plans_for(16, 16, portable_kernels())
+    reasons = {rejection(p, request(bq=16, bkv=16)) for p in plans}
+    assert None in reasons
+    assert any(r and "head_dim" in r for r in reasons)
+    assert all(rejection(p, request(arch="cpu", bq=16, bkv=16)) for p in plans)
+    assert any("shared memory" in (rejection(p, request(arch="sm86", bq=16, bkv=16)) or "") for p in plans)
+    assert all("sm80 or newer" in rejection(p, request(arch="sm75", bq=16, bkv=16)) for p in plans
+               if p.kernel.head_dim == 128 and p.kernel.dtype == "bf16")
+
+
+def test_selector_uses_reference_on_cpu_and_explains():
+    mask = random_mask(1, 2, 256, 256, 64, 64)
+    state = build_mask_state(mask)
+    req = Request(1, 2, 256, 256, 128, "bf16", 64, 64, "cpu")
+    assert select(req, state) is None
+    assert "reference oracle" in rank(req, state).explain()
+
+
+def test_cost_model_prefers_large_tiles_for_large_blocks_and_penalizes_waste():
+    blocks = torch.zeros(1, 1, 256, 256, dtype=torch.bool)
+    for i in range(256):
+        blocks[0, 0, i, max(0, i - 12) : i + 13] = True  # a band: ~10% dense, long runs
+    mask = LogicalMask(blocks, 128, 128, 32768, 32768)
+    stats = build_mask_state(mask).host_stats()
+    plans = [p for p in plans_for(128, 128, portable_kernels()) if rejection(p, request(bq=128, bkv=128)) is None]
+    best = min(plans, key=lambda p: estimate_ms(p, request(bq=128, bkv=128), stats))
+    assert best.tile_q == 128 and best.q_mapping is AxisMapping.DIRECT
+    assert best.kv_mapping in (AxisMapping.DIRECT, AxisMapping.REFINED)
+    small = LogicalMask(blocks.repeat_interleave(8, 2).repeat_interleave(8, 3), 16, 16, 32768, 32768)
+    small_stats = build_mask_state(small).host_stats()
+    req16 = request(bq=16, bkv=16)
+    ranked = sorted((p for p in plans_for(16, 16, portable_kernels()) if rejection(p, req16) is None),
+                    key=lambda p: estimate_ms(p, req16, small_stats))
+    assert ranked[0].kv_mapping is AxisMapping.PACKED  # gathered tiles beat aligned ones on scattered small blocks
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_native_smoke_subset_compiles_and_links(tmp_path):
+    """Build breaks cannot land: compile and link two catalog entries (one per dtype) for sm90."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "csrc", "build_native.py"), "--archs", "90", "--jobs", "2",
+         "--only", "t64x128_d128_(bf16|fp16)_s2", "--out", str(tmp_path / "lib"), "--build-dir", str(tmp_path / "b")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "lib" / "libtessera_kernels.so").stat().st_size > 0
+    log = (tmp_path / "b" / "ptxas.log").read_text()
+    assert "bytes spill stores" in log
