@@ -15,7 +15,8 @@ Mechanism (documented in ``TesseraProcessor.attach``):
   "pred_cond"/"pred_uncond" for HunyuanVideo-1.5; ``step_index`` when the pipeline gives it).
   Without ``step_index`` the hook counts forwards per branch; without any context it counts
   forwards and splits them into ``branches`` alternating branches (call parity). Pipelines reset
-  stateful hooks at the end of a run (``maybe_free_model_hooks``), which restarts the counts.
+  stateful hooks at the end of a run (``maybe_free_model_hooks``), which restarts the counts and
+  drops the masks and plans of that video.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class TesseraHook(ModelHook):
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
         self.branch_forwards.clear()
         self.forwards = 0
-        self.processor.end_forward()
+        self.processor.new_run()
         return module
 
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 
 from tessera_diffusers.errors import InvalidArgumentError, describe_tensor
@@ -129,7 +128,7 @@ def video_only(
     slot: CacheSlot,
 ) -> torch.Tensor:
     if mask is None:
-        return dispatch_attention_fn(q, k, v, attn_mask=None, backend=processor._attention_backend)
+        return processor.dense_attention(q, k, v)
     return processor.backend.attention(q, k, v, mask, slot=slot, cache=processor.cache)
 
 
@@ -207,7 +206,7 @@ def dense_joint(
         q = torch.cat([q_v[rows], q_t[rows][:, cols]], 1)
         k = torch.cat([k_v[rows], k_t[rows][:, cols]], 1)
         v = torch.cat([v_v[rows], v_t[rows][:, cols]], 1)
-        out = dispatch_attention_fn(q, k, v, attn_mask=None, backend=processor._attention_backend)
+        out = processor.dense_attention(q, k, v)
         out_v[rows] = out[:, :seq_v]
         if keys.length is not None:
             out_t[:, cols] = out[:, seq_v:]

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from diffusers.hooks.hooks import HookRegistry
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video15 import (
     HunyuanVideo15AttnProcessor2_0,
@@ -47,7 +48,7 @@ from .context import (
     patch_size_of,
 )
 from .hunyuan_video15 import TextKeys, hunyuan_video15_joint_attention, text_keys
-from .plan_cache import DEFAULT_MAX_BYTES, CacheSlot, StepCache
+from .plan_cache import DEFAULT_MAX_BYTES, CacheSlot, CacheStats, StepCache
 from .wan import wan_self_attention
 
 
@@ -101,6 +102,8 @@ class TesseraProcessor:
         self.calls = {route: 0 for route in Route}
         self.sparse_calls = 0
         self.dense_calls = 0
+        self.density_sum: torch.Tensor | None = None  # sum of the densities of computed masks (on device)
+        self.masks_computed = 0
         self.unattached_forwards = -1  # forward counter without the hook (call-order fallback)
         self.warned: set[str] = set()
 
@@ -155,11 +158,22 @@ class TesseraProcessor:
     def end_forward(self) -> None:
         self.active = None
 
-    def reset(self) -> None:
-        """Forget masks, plans and counters (a new video)."""
+    def new_run(self) -> None:
+        """Forget masks and plans (a new video); called by the hook when a pipeline run ends."""
         self.cache.clear()
         self.memo.clear()
         self.unattached_forwards = -1
+        self.active = None
+
+    def reset(self) -> None:
+        """``new_run`` and zero every counter of ``stats()``."""
+        self.new_run()
+        self.cache.stats = CacheStats()
+        self.calls = {route: 0 for route in Route}
+        self.sparse_calls = 0
+        self.dense_calls = 0
+        self.density_sum = None
+        self.masks_computed = 0
 
     # ------------------------------------------------------------------ the processor call
     def __call__(
@@ -277,6 +291,7 @@ class TesseraProcessor:
             mask = self.sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
             if mask is not None:
                 check_video_mask(mask, q, layout)
+                self.record_density(mask)
             slot = self.cache.store_mask(key, mask, call.step, signature)
         if slot.mask is None:
             self.dense_calls += 1
@@ -284,17 +299,31 @@ class TesseraProcessor:
             self.sparse_calls += 1
         return slot.mask, slot
 
+    def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Full attention without a mask tensor for ``q, k, v [B, S, H, D]`` (the dense decisions of
+        a sparsifier), through diffusers' dispatcher and the backend set with
+        ``set_attention_backend`` (if any)."""
+        return dispatch_attention_fn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend)
+
+    def record_density(self, mask: LogicalMask) -> None:
+        density = mask.blocks.float().mean()  # stays on the device: no sync in the loop
+        if self.density_sum is None or self.density_sum.device != density.device:
+            self.density_sum = density
+        else:
+            self.density_sum = self.density_sum + density
+        self.masks_computed += 1
+
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
-        """Calls per route, sparse/dense decisions, cache reuse and memory (bytes), and the mean
-        density of the kept masks (one host sync)."""
-        masks = [slot.mask for slot in self.cache.slots.values() if slot.mask is not None and slot.key[0] != "dense"]
-        density = float(torch.stack([m.blocks.float().mean() for m in masks]).mean()) if masks else math.nan
+        """Calls per route, sparse/dense decisions, the mean block density of the masks the sparsifier
+        made (one host sync), cache reuse and memory (bytes)."""
+        density = math.nan if self.density_sum is None else float(self.density_sum) / self.masks_computed
         return {
             "calls": {route.value: n for route, n in self.calls.items()},
             "sparse_calls": self.sparse_calls,
             "dense_calls": self.dense_calls,
-            "mean_kept_density": density,
+            "masks_computed": self.masks_computed,
+            "mean_mask_density": density,
             "cache": self.cache.report(),
         }
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
 from tessera_diffusers.errors import InvalidArgumentError
@@ -64,9 +63,7 @@ def wan_self_attention(
 
     mask, slot = processor.video_mask(route, call, layout, query, key)
     if mask is None:
-        out = dispatch_attention_fn(
-            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=processor._attention_backend
-        )
+        out = processor.dense_attention(query, key, value)
     else:
         out = processor.backend.attention(query, key, value, mask, slot=slot, cache=processor.cache)
     out = out.flatten(2, 3).type_as(query)
