@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tessera_diffusers.processors import TesseraBackend, TesseraProcessor
+from tessera_diffusers.processors.context import grid_from_latents, patch_size_of
 
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
-from tessera_diffusers.processors import TesseraBackend, TesseraProcessor
-from tessera_diffusers.processors.context import grid_from_latents, patch_size_of
 from tessera_diffusers.sparsifiers import LatentGrid, SSTASparsifier, tile_layout, top_k_for_density
 
 FULL_STEPS = 50
@@ -241,6 +241,19 @@ class FlexBackend:
 
         self.fa = fa
         self.compiled = compiled
+        if compiled:
+            # One compiled variant per call shape (HunyuanVideo-1.5 has four, plus calibration):
+            # never let dynamo fall back to the eager path, which materializes S x S scores.
+            for name in (
+                "cache_size_limit",
+                "recompile_limit",
+                "accumulated_cache_size_limit",
+                "accumulated_recompile_limit",
+            ):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+            if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+                torch._dynamo.config.fail_on_recompile_limit_hit = True  # fail loudly rather than run eager
         self.fn = torch.compile(fa.flex_attention, dynamic=False) if compiled else fa.flex_attention
         self.has_aux = hasattr(fa, "AuxRequest")
         self.lse_scale = 1.0
@@ -278,8 +291,14 @@ class FlexBackend:
 
     def call(self, qh, kh, vh, block_mask, kernel_options):
         if self.has_aux:
-            out, aux = self.fn(qh, kh, vh, block_mask=block_mask, kernel_options=kernel_options,
-                               return_aux=self.fa.AuxRequest(lse=True))
+            out, aux = self.fn(
+                qh,
+                kh,
+                vh,
+                block_mask=block_mask,
+                kernel_options=kernel_options,
+                return_aux=self.fa.AuxRequest(lse=True),
+            )
             lse = aux.lse
         else:
             out, lse = self.fn(qh, kh, vh, block_mask=block_mask, kernel_options=kernel_options, return_lse=True)
@@ -339,7 +358,9 @@ class FlashInferBackend:
 
     def attention(self, q, k, v, mask, *, slot, cache, return_lse=False):
         heads, head_dim = q.shape[2], q.shape[3]
-        wrapper = cache.plan(slot, (self.name, heads, head_dim, q.dtype), lambda: (self.plan(mask, heads, head_dim, q.dtype), 0))
+        wrapper = cache.plan(
+            slot, (self.name, heads, head_dim, q.dtype), lambda: (self.plan(mask, heads, head_dim, q.dtype), 0)
+        )
         out, lse = self.run(wrapper, q, k, v)
         return (out, lse * self.lse_scale) if return_lse else out
 
@@ -503,8 +524,11 @@ def bench_model(spec: ModelSpec, args, device, dtype, deadline: float) -> dict:
             torch.cuda.empty_cache()
         results.append(result)
         if result.status == "ok":
-            print(f"[{spec.name}] {system}: attention {result.attention_ms:.1f} ms, loop {result.loop_s:.2f} s, "
-                  f"density {result.mask_density:.3f}", flush=True)
+            print(
+                f"[{spec.name}] {system}: attention {result.attention_ms:.1f} ms, loop {result.loop_s:.2f} s, "
+                f"density {result.mask_density:.3f}",
+                flush=True,
+            )
     del model
     return summarize(spec, grid, args, results, sparsifier)
 
@@ -642,19 +666,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the JSON, markdown and plot")
     parser.add_argument("--models", default="wan,hv15", help="comma-separated: wan, hv15")
-    parser.add_argument("--systems", default="dense,tessera,flex,flashinfer",
-                        help="comma-separated, run in this order: dense, tessera, flex, flashinfer")
+    parser.add_argument(
+        "--systems",
+        default="dense,tessera,flex,flashinfer",
+        help="comma-separated, run in this order: dense, tessera, flex, flashinfer",
+    )
     parser.add_argument("--steps", type=int, default=None, help="denoising steps run (default 50; smoke 2)")
     parser.add_argument("--layers", type=int, default=None, help="transformer blocks built and run (default 2)")
     parser.add_argument("--cfg", action="store_true", help="run both guidance branches (default: one, extrapolated x2)")
     parser.add_argument("--density", type=float, default=0.10, help="target fraction of tile pairs kept")
-    parser.add_argument("--window", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 3],
-                        help="tile window t,h,w of the SSTA-style sparsifier (default 1,3,3)")
-    parser.add_argument("--native-ssta", action="store_true",
-                        help="HunyuanVideo-1.5 with its own SSTA setting (3x3x3 window + top-k 32) instead of --density")
+    parser.add_argument(
+        "--window",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 3, 3],
+        help="tile window t,h,w of the SSTA-style sparsifier (default 1,3,3)",
+    )
+    parser.add_argument(
+        "--native-ssta",
+        action="store_true",
+        help="HunyuanVideo-1.5 with its own SSTA setting (3x3x3 window + top-k 32) instead of --density",
+    )
     parser.add_argument("--recompute-every", type=int, default=1, help="steps between mask recomputations")
-    parser.add_argument("--qwen-valid", type=int, default=1000, help="valid Qwen text tokens of 1000 (HunyuanVideo-1.5)")
-    parser.add_argument("--dense-backend", default="_native_cudnn", help="diffusers attention backend of the dense system")
+    parser.add_argument(
+        "--qwen-valid", type=int, default=1000, help="valid Qwen text tokens of 1000 (HunyuanVideo-1.5)"
+    )
+    parser.add_argument(
+        "--dense-backend", default="_native_cudnn", help="diffusers attention backend of the dense system"
+    )
     parser.add_argument("--max-minutes", type=float, default=7.0, help="skip systems not started by then")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (fp32): checks the harness")
     parser.add_argument("--verbose", action="store_true")
@@ -682,7 +720,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.dense_backend = check_dense_backend(args.dense_backend, device, dtype)
     torch.manual_seed(0)
     report = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'host'})",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({platform.processor() or 'host'})",
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "dtype": str(dtype),

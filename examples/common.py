@@ -62,7 +62,11 @@ def save_video(frames, path: Path, fps: int) -> Path:
         folder = path.with_name(path.stem + "_frames")
         folder.mkdir(parents=True, exist_ok=True)
         for i, frame in enumerate(frames):
-            image = frame if isinstance(frame, Image.Image) else Image.fromarray((np.clip(frame, 0, 1) * 255).astype(np.uint8))
+            image = (
+                frame
+                if isinstance(frame, Image.Image)
+                else Image.fromarray((np.clip(frame, 0, 1) * 255).astype(np.uint8))
+            )
             image.save(folder / f"{i:04d}.png")
         print(f"no video writer ({type(err).__name__}: {err}); wrote {len(frames)} PNG frames to {folder}")
         return folder

@@ -19,17 +19,19 @@ import argparse
 import time
 
 import torch
-
-from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention, reference
 from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.tiny import tiny_wan_pipeline, wan_prompt_inputs
+
+from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention, reference
 from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier, all_active, top_k_for_density
 
 
 def cpu_job(steps: int = 6) -> dict:
     """Tiny Wan2.1 pipeline: stock vs Tessera all-active vs Tessera sparse. Returns the summary."""
     pipe = tiny_wan_pipeline(num_layers=2)
-    kwargs = dict(height=128, width=128, num_frames=9, num_inference_steps=steps, guidance_scale=5.0, output_type="latent")
+    kwargs = dict(
+        height=128, width=128, num_frames=9, num_inference_steps=steps, guidance_scale=5.0, output_type="latent"
+    )
 
     def generate():
         start = time.perf_counter()
@@ -67,11 +69,14 @@ def cpu_job(steps: int = 6) -> dict:
         "sparse_s": sparse_s,
     }
     print(
-        f"Tessera default job (CPU): tiny Wan2.1, latent grid {grid} = {grid.num_tokens} tokens, {steps} steps x 2 branches\n"
-        f"  all-active Tessera vs stock: max |diff| = {summary['all_active_max_abs_diff_vs_stock']:.2e} (exact path)\n"
+        f"Tessera default job (CPU): tiny Wan2.1, latent grid {grid} = {grid.num_tokens} tokens, "
+        f"{steps} steps x 2 branches\n"
+        f"  all-active Tessera vs stock: max |diff| = {summary['all_active_max_abs_diff_vs_stock']:.2e} "
+        "(exact path)\n"
         f"  sparse Tessera vs stock:     rel diff  = {summary['sparse_rel_diff_vs_stock']:.3f} at mean mask density "
         f"{summary['sparse_mean_mask_density']:.2f} (1 dense warm-up step)\n"
-        f"  calls: {summary['sparse_calls']} sparse, {summary['dense_calls']} dense; masks computed {summary['mask_computes']}, "
+        f"  calls: {summary['sparse_calls']} sparse, {summary['dense_calls']} dense; "
+        f"masks computed {summary['mask_computes']}, "
         f"reused {summary['mask_reuses']}; plans built {summary['plan_builds']}, reused {summary['plan_reuses']}; "
         f"cache peak {summary['cache_peak_bytes']} bytes\n"
         f"  time: stock {stock_s:.2f} s, sparse {sparse_s:.2f} s (reference path on the CPU)"
@@ -87,8 +92,10 @@ def gpu_job(density: float = 0.10, iters: int = 5) -> dict:
     base = SSTASparsifier(window=(1, 3, 3))
     sparsifier = SSTASparsifier(window=(1, 3, 3), top_k=top_k_for_density(base, grid, density))
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(1, grid.num_tokens, heads, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, grid.num_tokens, heads, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+        for _ in range(3)
+    )
     mask = sparsifier(q, k, layer=0, step=0, grid=grid)
     runtime = Runtime()
 
@@ -116,8 +123,12 @@ def gpu_job(density: float = 0.10, iters: int = 5) -> dict:
 
     rows = torch.tensor([0, mask.num_blocks_q // 3, 2 * mask.num_blocks_q // 3, mask.num_blocks_q - 1], device=device)
     sub_blocks = mask.blocks.index_select(2, rows)
-    token_rows = torch.cat([torch.arange(r * mask.block_q, min((r + 1) * mask.block_q, mask.seq_len_q), device=device)
-                            for r in rows.tolist()])
+    token_rows = torch.cat(
+        [
+            torch.arange(r * mask.block_q, min((r + 1) * mask.block_q, mask.seq_len_q), device=device)
+            for r in rows.tolist()
+        ]
+    )
     sub_mask = LogicalMask(sub_blocks.contiguous(), mask.block_q, mask.block_kv, token_rows.numel(), mask.seq_len_kv)
     want = reference.attention(q[:, token_rows], k, v, sub_mask)
     error = float((out[:, token_rows].float() - want.float()).abs().max())
@@ -134,7 +145,8 @@ def gpu_job(density: float = 0.10, iters: int = 5) -> dict:
     print(
         f"Tessera default job (GPU, {summary['device']}): Wan2.1-14B self-attention at 720p, {summary['shape']}\n"
         f"  mask density {summary['mask_density']:.3f} (SSTA-style, 6x8x8 tiles)\n"
-        f"  Tessera {tessera_ms:.2f} ms (first call with planning {first_ms:.1f} ms) vs dense cuDNN SDPA {dense_ms:.2f} ms: "
+        f"  Tessera {tessera_ms:.2f} ms (first call with planning {first_ms:.1f} ms) "
+        f"vs dense cuDNN SDPA {dense_ms:.2f} ms: "
         f"{summary['speedup_vs_dense']:.2f}x\n"
         f"  max |error| vs the exact oracle on 4 query blocks: {error:.2e}"
     )
@@ -143,8 +155,12 @@ def gpu_job(density: float = 0.10, iters: int = 5) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: the real-size attention job when CUDA is available, else the tiny CPU job")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: the real-size attention job when CUDA is available, else the tiny CPU job",
+    )
     parser.add_argument("--steps", type=int, default=6, help="CPU job: denoising steps")
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_common_arguments, hunyuan_native, pick_device, save_video, tuned_ssta, with_warmup  # noqa: E402
-
 from tessera_diffusers.processors import TesseraProcessor  # noqa: E402
+
 from tessera_diffusers.sparsifiers import LatentGrid  # noqa: E402
 
 QWEN_TOKENS, BYT5_TOKENS = 1000, 256
@@ -50,7 +50,11 @@ def random_pipeline(layers: int, image_encoder_layers: int, device: torch.device
     from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
     siglip = SiglipVisionConfig(
-        hidden_size=1152, intermediate_size=4304, num_attention_heads=16, image_size=384, patch_size=14,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_attention_heads=16,
+        image_size=384,
+        patch_size=14,
         num_hidden_layers=image_encoder_layers,
     )  # 27 x 27 = 729 image tokens, as the transformer expects
     with torch.device(device):
@@ -96,11 +100,17 @@ def first_frame(path: Path | None, height: int, width: int):
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="local diffusers-format HunyuanVideo-1.5 I2V checkpoint")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="local diffusers-format HunyuanVideo-1.5 I2V checkpoint"
+    )
     parser.add_argument("--image", type=Path, default=None, help="first frame (default: a synthetic gradient)")
     parser.add_argument("--prompt", default="The camera slowly pushes in while leaves drift in the wind")
-    parser.add_argument("--density", type=float, default=None,
-                        help="tune the top-k to keep this fraction of tile pairs (default: the model's own setting)")
+    parser.add_argument(
+        "--density",
+        type=float,
+        default=None,
+        help="tune the top-k to keep this fraction of tile pairs (default: the model's own setting)",
+    )
     parser.add_argument("--image-encoder-layers", type=int, default=2, help="with --random-weights")
     add_common_arguments(parser, frames=121, steps=50)
     args = parser.parse_args(argv)
@@ -136,8 +146,10 @@ def main(argv: list[str] | None = None) -> Path:
         sparsifier = hunyuan_native() if args.density is None else tuned_ssta(grid, args.density, window=(3, 3, 3))
         processor = TesseraProcessor(with_warmup(sparsifier, dense_steps), recompute_every=args.recompute_every)
         processor.attach(pipe.transformer)
-    print(f"{height}x{width}, latent grid {grid} = {grid.num_tokens:,} video tokens; "
-          f"{pipe.transformer.config.num_layers} blocks; {'dense' if processor is None else processor.sparsifier}")
+    print(
+        f"{height}x{width}, latent grid {grid} = {grid.num_tokens:,} video tokens; "
+        f"{pipe.transformer.config.num_layers} blocks; {'dense' if processor is None else processor.sparsifier}"
+    )
 
     start = time.perf_counter()
     frames = pipe(
@@ -152,8 +164,11 @@ def main(argv: list[str] | None = None) -> Path:
     print(f"{len(frames)} frames in {elapsed:.1f} s -> {written}")
     if processor is not None:
         stats = processor.stats()
-        print(f"sparse calls {stats['sparse_calls']}, dense calls {stats['dense_calls']}, "
-              f"mean mask density {stats['mean_mask_density']:.3f}, cache peak {stats['cache']['peak_bytes'] / 2**20:.1f} MiB")
+        print(
+            f"sparse calls {stats['sparse_calls']}, dense calls {stats['dense_calls']}, "
+            f"mean mask density {stats['mean_mask_density']:.3f}, "
+            f"cache peak {stats['cache']['peak_bytes'] / 2**20:.1f} MiB"
+        )
     return written
 
 

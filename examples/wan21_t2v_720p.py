@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_common_arguments, pick_device, save_video, tuned_ssta, with_warmup  # noqa: E402
-
 from tessera_diffusers.processors import TesseraProcessor  # noqa: E402
+
 from tessera_diffusers.sparsifiers import LatentGrid  # noqa: E402
 
 NEGATIVE = "Bright tones, overexposed, static, blurred details, subtitles, worst quality, low quality"
@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> Path:
             parser.error("--model must be a local checkpoint folder (or use --random-weights)")
         from diffusers import AutoencoderKLWan, WanPipeline
 
-        vae = AutoencoderKLWan.from_pretrained(args.model, subfolder="vae", torch_dtype=torch.float32, local_files_only=True)
+        vae = AutoencoderKLWan.from_pretrained(
+            args.model, subfolder="vae", torch_dtype=torch.float32, local_files_only=True
+        )
         pipe = WanPipeline.from_pretrained(args.model, vae=vae, torch_dtype=dtype, local_files_only=True)
         pipe.to(device)
         embeds = {"prompt": args.prompt, "negative_prompt": NEGATIVE}
@@ -90,8 +92,10 @@ def main(argv: list[str] | None = None) -> Path:
     if not args.dense:
         sparsifier = with_warmup(tuned_ssta(grid, args.density), dense_steps)
         processor = TesseraProcessor(sparsifier, recompute_every=args.recompute_every).attach(pipe.transformer)
-    print(f"latent grid {grid} = {grid.num_tokens:,} video tokens; {pipe.transformer.config.num_layers} blocks; "
-          f"{'dense' if processor is None else processor.sparsifier}")
+    print(
+        f"latent grid {grid} = {grid.num_tokens:,} video tokens; {pipe.transformer.config.num_layers} blocks; "
+        f"{'dense' if processor is None else processor.sparsifier}"
+    )
 
     start = time.perf_counter()
     frames = pipe(
@@ -108,8 +112,11 @@ def main(argv: list[str] | None = None) -> Path:
     print(f"{len(frames)} frames in {elapsed:.1f} s -> {written}")
     if processor is not None:
         stats = processor.stats()
-        print(f"sparse calls {stats['sparse_calls']}, dense calls {stats['dense_calls']}, "
-              f"mean mask density {stats['mean_mask_density']:.3f}, cache peak {stats['cache']['peak_bytes'] / 2**20:.1f} MiB")
+        print(
+            f"sparse calls {stats['sparse_calls']}, dense calls {stats['dense_calls']}, "
+            f"mean mask density {stats['mean_mask_density']:.3f}, "
+            f"cache peak {stats['cache']['peak_bytes'] / 2**20:.1f} MiB"
+        )
     return written
 
 

@@ -1,12 +1,12 @@
 """Diffusers attention processors (installed as ``tessera_diffusers.processors``).
 
-    from tessera_diffusers.processors import TesseraProcessor
-    from tessera_diffusers.sparsifiers import ssta_384, DenseWarmup
+from tessera_diffusers.processors import TesseraProcessor
+from tessera_diffusers.sparsifiers import ssta_384, DenseWarmup
 
-    processor = TesseraProcessor(DenseWarmup(ssta_384(), steps=5), recompute_every=2)
-    processor.attach(pipe.transformer)      # WanTransformer3DModel or HunyuanVideo15Transformer3DModel
-    video = pipe(...).frames
-    print(processor.stats())
+processor = TesseraProcessor(DenseWarmup(ssta_384(), steps=5), recompute_every=2)
+processor.attach(pipe.transformer)      # WanTransformer3DModel or HunyuanVideo15Transformer3DModel
+video = pipe(...).frames
+print(processor.stats())
 """
 
 from .backends import SparseAttentionBackend, TesseraBackend, merge_partials

@@ -43,8 +43,7 @@ class SparseAttentionBackend(Protocol):
         slot: CacheSlot,
         cache: StepCache,
         return_lse: bool = False,
-    ) -> AttentionResult:
-        ...
+    ) -> AttentionResult: ...
 
 
 class TesseraBackend:

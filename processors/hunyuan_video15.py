@@ -50,7 +50,9 @@ def text_keys(attention_mask: torch.Tensor | None, batch: int, seq_text: int) ->
         return TextKeys(seq_text, None)
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, seq_text):
         raise InvalidArgumentError(
-            "attention_mask", f"a 1-D text mask per sample [B, St] = [{batch}, {seq_text}]", describe_tensor(attention_mask)
+            "attention_mask",
+            f"a 1-D text mask per sample [B, St] = [{batch}, {seq_text}]",
+            describe_tensor(attention_mask),
         )
     valid = attention_mask.bool()
     counts = valid.sum(1).tolist()
@@ -143,9 +145,7 @@ def sparse_joint(
     """Sparse video self-attention merged with dense text parts (see the module docstring)."""
     q_v, k_v, v_v = video
     q_t, k_t, v_t = text
-    out_vv, lse_vv = processor.backend.attention(
-        q_v, k_v, v_v, mask, slot=slot, cache=processor.cache, return_lse=True
-    )
+    out_vv, lse_vv = processor.backend.attention(q_v, k_v, v_v, mask, slot=slot, cache=processor.cache, return_lse=True)
     out_t = torch.zeros_like(q_t)
     if keys.length is not None:
         n = keys.length

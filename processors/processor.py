@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -93,8 +94,8 @@ class TesseraProcessor:
         self.branches = branches
         self.share_branch_masks = bool(share_branch_masks)
 
-        self.routes: dict[int, ModuleRoute] = {}  # id(attention module) -> route
-        self.stock: dict[int, Any] = {}  # id(attention module) -> its original processor
+        self.routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> ModuleRoute
+        self.stock: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> original processor
         self.default_stock: dict[type, Any] = {}  # stock processors for modules never attached
         self.models: list[torch.nn.Module] = []
         self.active: ForwardContext | None = None
@@ -118,21 +119,27 @@ class TesseraProcessor:
             raise InvalidArgumentError(
                 "transformer", "a WanTransformer3DModel or HunyuanVideo15Transformer3DModel", type(transformer).__name__
             )
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        if registry.get_hook(HOOK_NAME) is not None:
+            raise InvalidArgumentError(
+                "transformer",
+                "a transformer without another TesseraProcessor attached (detach that one first)",
+                type(transformer).__name__,
+            )
         model = len(self.models)
         originals = transformer.attn_processors  # name -> processor, before replacement
         for name, original in originals.items():
             module = transformer.get_submodule(name[: -len(".processor")])
-            self.stock[id(module)] = original
+            self.stock[module] = original
         for layer, block in enumerate(getattr(transformer, "blocks", [])):  # Wan
-            self.routes[id(block.attn1)] = ModuleRoute(Route.WAN_SELF, model, layer)
-            self.routes[id(block.attn2)] = ModuleRoute(Route.STOCK, model, -1)
+            self.routes[block.attn1] = ModuleRoute(Route.WAN_SELF, model, layer)
+            self.routes[block.attn2] = ModuleRoute(Route.STOCK, model, -1)
         for layer, block in enumerate(getattr(transformer, "transformer_blocks", [])):  # HunyuanVideo-1.5
-            self.routes[id(block.attn)] = ModuleRoute(Route.HV15_JOINT, model, layer)
+            self.routes[block.attn] = ModuleRoute(Route.HV15_JOINT, model, layer)
         for name in originals:
             module = transformer.get_submodule(name[: -len(".processor")])
-            self.routes.setdefault(id(module), ModuleRoute(Route.STOCK, model, -1))
+            self.routes.setdefault(module, ModuleRoute(Route.STOCK, model, -1))
         transformer.set_attn_processor(self)
-        registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.register_hook(TesseraHook(self, model, patch_size_of(transformer)), HOOK_NAME)
         self.models.append(transformer)
         return self
@@ -140,13 +147,15 @@ class TesseraProcessor:
     def detach(self, transformer: torch.nn.Module) -> None:
         """Restore the processors ``transformer`` had before ``attach`` and remove the hook."""
         if not any(model is transformer for model in self.models):
-            raise InvalidArgumentError("transformer", "a transformer this processor is attached to", type(transformer).__name__)
+            raise InvalidArgumentError(
+                "transformer", "a transformer this processor is attached to", type(transformer).__name__
+            )
         originals = {}
         for name in transformer.attn_processors:
             module = transformer.get_submodule(name[: -len(".processor")])
-            originals[name] = self.stock.get(id(module)) or self.stock_processor_for(module)
-            self.routes.pop(id(module), None)
-            self.stock.pop(id(module), None)
+            originals[name] = self.stock.get(module) or self.stock_processor_for(module)
+            self.routes.pop(module, None)
+            self.stock.pop(module, None)
         transformer.set_attn_processor(originals)
         HookRegistry.check_if_exists_or_initialize(transformer).remove_hook(HOOK_NAME, recurse=False)
         self.models = [m for m in self.models if m is not transformer]
@@ -191,7 +200,9 @@ class TesseraProcessor:
         route = self.route_of(attn, encoder_hidden_states)
         self.calls[route.route] += 1
         if route.route is Route.STOCK:
-            return self.call_stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb)
+            return self.call_stock(
+                attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb
+            )
         call = self.context_for(route, hidden_states.shape[1])
         if route.route is Route.WAN_SELF:
             return wan_self_attention(self, attn, hidden_states, rotary_emb, route, call)
@@ -200,7 +211,7 @@ class TesseraProcessor:
         )
 
     def call_stock(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb):
-        processor = self.stock.get(id(attn)) or self.stock_processor_for(attn)
+        processor = self.stock.get(attn) or self.stock_processor_for(attn)
         if self._attention_backend is not None and hasattr(processor, "_attention_backend"):
             processor._attention_backend = self._attention_backend
         if isinstance(attn, WanAttention):
@@ -208,7 +219,9 @@ class TesseraProcessor:
         kwargs = {}
         if image_rotary_emb is not None:
             kwargs["image_rotary_emb"] = image_rotary_emb
-        return processor(attn, hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask, **kwargs)
+        return processor(
+            attn, hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask, **kwargs
+        )
 
     def stock_processor_for(self, attn: torch.nn.Module) -> Any:
         """The stock processor class of a module (one shared instance per class)."""
@@ -224,19 +237,23 @@ class TesseraProcessor:
 
     # ------------------------------------------------------------------ routes and context
     def route_of(self, attn: torch.nn.Module, encoder_hidden_states: torch.Tensor | None) -> ModuleRoute:
-        route = self.routes.get(id(attn))
+        route = self.routes.get(attn)
         if route is not None:
             return route
         # Not attached: recognise the call, number layers in first-call order.
         if isinstance(attn, WanAttention) and encoder_hidden_states is None and not attn.is_cross_attention:
             kind = Route.WAN_SELF
-        elif isinstance(attn, Attention) and encoder_hidden_states is not None and getattr(attn, "add_q_proj", None) is not None:
+        elif (
+            isinstance(attn, Attention)
+            and encoder_hidden_states is not None
+            and getattr(attn, "add_q_proj", None) is not None
+        ):
             kind = Route.HV15_JOINT
         else:
             kind = Route.STOCK
         layer = sum(1 for r in self.routes.values() if r.route is kind) if kind is not Route.STOCK else -1
         route = ModuleRoute(kind, 0, layer)
-        self.routes[id(attn)] = route
+        self.routes[(attn)] = route
         return route
 
     def context_for(self, route: ModuleRoute, seq_video: int) -> ForwardContext:
@@ -267,14 +284,17 @@ class TesseraProcessor:
         """The rotary tables ``(cos, sin)`` reordered like the tokens (once per forward)."""
         cos, sin = rotary
         return self.memo.get(
-            cos, ("rope", layout, token_dim, id(sin)),
+            cos,
+            ("rope", layout, token_dim, id(sin)),
             lambda: (layout.to_layout(cos, token_dim), layout.to_layout(sin, token_dim)),
         )
 
     def text_keys_for(self, attention_mask: torch.Tensor | None, batch: int, seq_text: int) -> TextKeys:
         if attention_mask is None:
             return TextKeys(seq_text, None)
-        return self.memo.get(attention_mask, ("text", batch, seq_text), lambda: text_keys(attention_mask, batch, seq_text))
+        return self.memo.get(
+            attention_mask, ("text", batch, seq_text), lambda: text_keys(attention_mask, batch, seq_text)
+        )
 
     # ------------------------------------------------------------------ masks
     def video_mask(
@@ -303,7 +323,9 @@ class TesseraProcessor:
         """Full attention without a mask tensor for ``q, k, v [B, S, H, D]`` (the dense decisions of
         a sparsifier), through diffusers' dispatcher and the backend set with
         ``set_attention_backend`` (if any)."""
-        return dispatch_attention_fn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend)
+        return dispatch_attention_fn(
+            q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+        )
 
     def record_density(self, mask: LogicalMask) -> None:
         density = mask.blocks.float().mean()  # stays on the device: no sync in the loop
@@ -345,5 +367,7 @@ def check_video_mask(mask: LogicalMask, q: torch.Tensor, layout: TileLayout) -> 
         raise MaskError("sparsifier result", "a LogicalMask or None", type(mask).__name__)
     seq = layout.num_tokens
     if (mask.seq_len_q, mask.seq_len_kv) != (seq, seq):
-        raise MaskError("sparsifier result", f"a mask over ({seq}, {seq}) video tokens", (mask.seq_len_q, mask.seq_len_kv))
+        raise MaskError(
+            "sparsifier result", f"a mask over ({seq}, {seq}) video tokens", (mask.seq_len_q, mask.seq_len_kv)
+        )
     mask.check_broadcast(q.shape[0], q.shape[2])

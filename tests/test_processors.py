@@ -16,10 +16,10 @@ import warnings
 import pytest
 import torch
 from diffusers.models.transformers import transformer_hunyuan_video15, transformer_wan
-
-from tessera_diffusers import InvalidArgumentError, LogicalMask, MaskError
 from tessera_diffusers.processors import ForwardContext, TesseraProcessor
 from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
+
+from tessera_diffusers import InvalidArgumentError, LogicalMask, MaskError
 from tessera_diffusers.sparsifiers import (
     AdaptiveSparsifier,
     DenseWarmup,
@@ -42,8 +42,9 @@ def wan_inputs(frames: int = 2, size: int = 16, batch: int = 1, text: int = 12, 
     }
 
 
-def hv15_inputs(batch: int = 1, frames: int = 2, size: int = 8, image: bool = False, seed: int = 0,
-                valid=(3,), valid_2=(2,)) -> dict:
+def hv15_inputs(
+    batch: int = 1, frames: int = 2, size: int = 8, image: bool = False, seed: int = 0, valid=(3,), valid_2=(2,)
+) -> dict:
     gen = torch.Generator().manual_seed(seed)
     valid = list(valid) * batch if len(valid) == 1 else list(valid)
     valid_2 = list(valid_2) * batch if len(valid_2) == 1 else list(valid_2)
@@ -71,7 +72,7 @@ def test_wan_all_active_equals_stock(tile):
     stock = run(model, inputs)
     processor = TesseraProcessor(all_active(tile)).attach(model)
     torch.testing.assert_close(run(model, inputs), stock, **TOL)
-    assert processor.sparse_calls == 2 and processor.calls[processor.routes[id(model.blocks[0].attn1)].route] == 2
+    assert processor.sparse_calls == 2 and processor.calls[processor.routes[model.blocks[0].attn1].route] == 2
 
 
 def test_wan_i2v_all_active_equals_stock():
@@ -236,6 +237,13 @@ def test_cross_attention_and_refiner_keep_their_stock_processors():
     run(hv, hv15_inputs())
     for name, counter in counters.items():
         assert counter.calls == (1 if "token_refiner" in name else 0), name
+
+
+def test_a_second_processor_cannot_attach_to_the_same_transformer():
+    model = tiny_wan_transformer(num_layers=1)
+    TesseraProcessor(all_active()).attach(model)
+    with pytest.raises(InvalidArgumentError, match="detach that one first"):
+        TesseraProcessor(all_active()).attach(model)
 
 
 def test_detach_restores_the_original_processors():

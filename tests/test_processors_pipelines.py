@@ -4,7 +4,6 @@ download: local tiny VAEs and schedulers, prompt embeddings passed directly)."""
 from __future__ import annotations
 
 import torch
-
 from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.tiny import (
     hunyuan_video15_prompt_inputs,
@@ -12,6 +11,7 @@ from tessera_diffusers.processors.tiny import (
     tiny_wan_pipeline,
     wan_prompt_inputs,
 )
+
 from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier, all_active, tile_layout
 
 STEPS = 3

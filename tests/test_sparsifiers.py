@@ -80,8 +80,11 @@ def test_raster_layout_is_identity_and_divisible_grid_is_aligned():
     assert not tile_layout(LatentGrid(5, 9, 10), (2, 4, 4)).aligned
 
 
-@pytest.mark.parametrize("grid,tile", [(LatentGrid(5, 9, 10), (2, 4, 4)), (LatentGrid(3, 7, 13), (3, 2, 8)),
-                                       (LatentGrid(4, 8, 8), (2, 4, 4))], ids=str)
+@pytest.mark.parametrize(
+    "grid,tile",
+    [(LatentGrid(5, 9, 10), (2, 4, 4)), (LatentGrid(3, 7, 13), (3, 2, 8)), (LatentGrid(4, 8, 8), (2, 4, 4))],
+    ids=str,
+)
 def test_tiles_to_mask_is_exact_on_full_tiles_and_a_superset_elsewhere(grid, tile):
     layout = tile_layout(grid, tile)
     gen = torch.Generator().manual_seed(0)
@@ -121,8 +124,9 @@ def test_window_is_clamped_at_the_borders(window):
     coords = layout.tensors("cpu").tile_coords.tolist()
     for i in [0, 5, len(coords) - 1]:
         lo = [min(max(c - w // 2, 0), n - min(w, n)) for c, w, n in zip(coords[i], window, layout.tiles_per_axis)]
-        want = [all(lo[a] <= cj[a] < lo[a] + min(window[a], layout.tiles_per_axis[a]) for a in range(3))
-                for cj in coords]
+        want = [
+            all(lo[a] <= cj[a] < lo[a] + min(window[a], layout.tiles_per_axis[a]) for a in range(3)) for cj in coords
+        ]
         assert mask[i].tolist() == want
 
 
@@ -206,8 +210,14 @@ def local_qk(grid: LatentGrid, heads_local: int, heads_flat: int, seed: int = 0)
 
 def test_adaptive_gives_sharp_heads_less_density_and_keeps_the_diagonal():
     grid = LatentGrid(4, 16, 16)
-    sparsifier = AdaptiveSparsifier(tile=(2, 8, 8), block_sizes=(32, 64, 128), block_costs=(1.0, 1.0, 1.0),
-                                    mass=0.8, min_density=0.02, max_density=0.9)
+    sparsifier = AdaptiveSparsifier(
+        tile=(2, 8, 8),
+        block_sizes=(32, 64, 128),
+        block_costs=(1.0, 1.0, 1.0),
+        mass=0.8,
+        min_density=0.02,
+        max_density=0.9,
+    )
     q, k = local_qk(grid, heads_local=1, heads_flat=1)
     layout = sparsifier.layout(grid)
     q, k = layout.to_layout(q), layout.to_layout(k)

@@ -1,9 +1,9 @@
 """Sparsifiers: ``(q, k, layer, step, latent grid) -> LogicalMask`` for video self-attention.
 
-    SSTASparsifier / ssta_384 / ssta_64   HunyuanVideo-1.5's tile window OR top-k scheme
-    AdaptiveSparsifier                    SPADE-style: geometry and per-head density from pooled scores
-    StaticSparsifier / all_active         a fixed or per-grid user mask
-    DenseWarmup                           full attention for the first steps / layers
+SSTASparsifier / ssta_384 / ssta_64   HunyuanVideo-1.5's tile window OR top-k scheme
+AdaptiveSparsifier                    SPADE-style: geometry and per-head density from pooled scores
+StaticSparsifier / all_active         a fixed or per-grid user mask
+DenseWarmup                           full attention for the first steps / layers
 """
 
 from .adaptive import AdaptiveDecision, AdaptiveSparsifier

@@ -98,9 +98,7 @@ class AdaptiveSparsifier:
         cost_values = dict(zip(self.block_sizes, costs.tolist()))
         return AdaptiveDecision(size, density, cost_values), grouped
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid
-    ) -> LogicalMask:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid) -> LogicalMask:
         """``q, k [B, S, H, D]`` in layout order -> mask over (S, S) at the chosen geometry."""
         decision, scores = self.decide(q, k, grid)
         n_b = scores.shape[-1]

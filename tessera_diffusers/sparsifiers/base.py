@@ -13,12 +13,15 @@ keeps them dense (video queries see every valid text key, text queries see every
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from ..errors import InvalidArgumentError
 from ..mask import LogicalMask
+
+if TYPE_CHECKING:
+    from .layout import TileLayout
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -74,13 +77,11 @@ class Sparsifier(Protocol):
     Returning the *same* mask object for an unchanged pattern lets prepared plans be reused.
     """
 
-    def layout(self, grid: LatentGrid):  # -> TileLayout (imported lazily to keep this module light)
-        ...
+    def layout(self, grid: LatentGrid) -> TileLayout: ...
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid
-    ) -> LogicalMask | None:
-        ...
+    ) -> LogicalMask | None: ...
 
 
 def check_qk(q: torch.Tensor, k: torch.Tensor, grid: LatentGrid) -> None:

@@ -92,9 +92,7 @@ class SSTASparsifier:
         picked = torch.zeros(active.shape, dtype=torch.bool, device=q.device).scatter_(-1, chosen, True)
         return picked | active
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid
-    ) -> LogicalMask:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid) -> LogicalMask:
         """``q, k [B, S, H, D]`` in layout order -> mask over (S, S), blocks of one tile."""
         return self.layout(grid).tiles_to_mask(self.tile_mask(q, k, grid))
 

@@ -47,7 +47,8 @@ class StaticSparsifier:
             seq = grid.num_tokens
             if (mask.seq_len_q, mask.seq_len_kv) != (seq, seq):
                 raise MaskError(
-                    "mask", f"sequence lengths ({seq}, {seq}) of latent grid {grid}",
+                    "mask",
+                    f"sequence lengths ({seq}, {seq}) of latent grid {grid}",
                     (mask.seq_len_q, mask.seq_len_kv),
                 )
             if mask.device != torch.device(device):
@@ -55,13 +56,12 @@ class StaticSparsifier:
             self._built[key] = mask
         return mask
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid
-    ) -> LogicalMask:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid) -> LogicalMask:
         return self.mask_for(grid, q.device)
 
     def __repr__(self) -> str:
-        return f"StaticSparsifier(tile={self.tile}, mask={'factory' if callable(self.mask) and not isinstance(self.mask, LogicalMask) else 'fixed'})"
+        kind = "fixed" if isinstance(self.mask, LogicalMask) else "factory"
+        return f"StaticSparsifier(tile={self.tile}, mask={kind})"
 
 
 def all_active(tile: tuple[int, int, int] | None = None, block: int | None = None) -> StaticSparsifier:
