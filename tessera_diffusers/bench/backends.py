@@ -1,0 +1,255 @@
+"""Baselines in one protocol: dense SDPA (cuDNN, FlashAttention-2), FlexAttention, the oracle.
+
+A backend is used in three steps, and the split decides what each latency includes:
+
+    prepared = backend.prepare(problem)            # mask-dependent preprocessing (BlockMask, plan())
+    inputs   = backend.convert(q, k, v)            # layout change from the diffusers (B, S, H, D)
+    out      = backend.run(prepared, inputs)       # the kernel(s): timed with CUDA events
+
+Kernel latency times ``run`` alone on pre-converted, rotated inputs. Complete-request latency times
+``request`` (by default all three steps) from the call to the synchronized end. ``to_bshd`` maps an
+output back to ``[B, S, H, D]`` for the oracle check (untimed).
+
+A backend that cannot run at all says why in ``unavailable()``; one that cannot run a problem says
+why in ``unsupported(problem)`` or raises ``Skip`` from ``prepare``. Nothing is ever faked.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .. import reference
+from .problem import Problem
+
+Inputs = tuple[torch.Tensor, ...]
+
+
+class Skip(Exception):
+    """A backend cannot run this problem (the message says why); not an error of the harness."""
+
+
+class Backend:
+    """Base class; see the module docstring for the protocol."""
+
+    name: str = "backend"
+    kind: str = "sparse"  # "dense" (ignores the mask: timed once per shape), "sparse", "tessera"
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def unsupported(self, problem: Problem) -> str | None:
+        return None
+
+    def prepare(self, problem: Problem) -> Any:
+        return None
+
+    def convert(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
+        return (q, k, v)
+
+    def run(self, prepared: Any, inputs: Inputs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_bshd(self, out: torch.Tensor, problem: Problem) -> torch.Tensor:
+        return out
+
+    def request(self, problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One complete request from the caller's ``(B, S, H, D)`` tensors and the logical mask."""
+        return self.run(self.prepare(problem), self.convert(q, k, v))
+
+    def describe(self) -> dict:
+        """Static facts for the report (settings, versions)."""
+        return {}
+
+
+def to_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
+    """``(B, S, H, D)`` -> ``(B, H, S, D)`` views (no copy), the layout SDPA and FlexAttention take."""
+    return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+
+class OracleBackend(Backend):
+    """``reference.attention``: the exact fp32 oracle (slow; the CPU smoke run's baseline)."""
+
+    name = "reference"
+    kind = "sparse"
+
+    def prepare(self, problem: Problem) -> Any:
+        return problem
+
+    def run(self, prepared: Problem, inputs: Inputs) -> torch.Tensor:
+        q, k, v = inputs
+        return reference.attention(q, k, v, prepared.mask, prepared.scale)
+
+
+class SdpaBackend(Backend):
+    """Dense ``scaled_dot_product_attention`` pinned to one backend (the whole S x S matrix)."""
+
+    kind = "dense"
+
+    def __init__(self, name: str, backend_name: str):
+        self.name = name
+        self.backend_name = backend_name  # "CUDNN_ATTENTION" | "FLASH_ATTENTION"
+        self._error: str | None = None
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            self._backend = getattr(SDPBackend, backend_name)
+            self._sdpa_kernel = sdpa_kernel
+        except (ImportError, AttributeError) as err:
+            self._error = f"torch {torch.__version__} has no SDPBackend.{backend_name}: {err}"
+
+    def unavailable(self) -> str | None:
+        if self._error:
+            return self._error
+        if not torch.cuda.is_available():
+            return "needs CUDA"
+        return None
+
+    def unsupported(self, problem: Problem) -> str | None:
+        if problem.device.type != "cuda":
+            return "needs CUDA tensors"
+        if problem.dtype not in (torch.bfloat16, torch.float16):
+            return f"{self.backend_name} runs bf16/fp16 only"
+        return None
+
+    def convert(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
+        return to_heads_first(q, k, v)
+
+    def prepare(self, problem: Problem) -> Any:
+        return problem.scale
+
+    def run(self, prepared: float, inputs: Inputs) -> torch.Tensor:
+        with self._sdpa_kernel([self._backend]):
+            return torch.nn.functional.scaled_dot_product_attention(*inputs, scale=prepared)
+
+    def to_bshd(self, out: torch.Tensor, problem: Problem) -> torch.Tensor:
+        return out.transpose(1, 2)
+
+    def describe(self) -> dict:
+        return {"sdpa_backend": self.backend_name}
+
+
+def flex_tile(block: int, largest: int) -> int:
+    """The largest power-of-two Triton tile <= ``largest`` that divides ``block`` (at least 16)."""
+    tile = largest
+    while tile > 16 and block % tile:
+        tile //= 2
+    return tile
+
+
+def flex_kernel_options(block_q: int, block_kv: int) -> dict:
+    """Forward kernel options matched to the logical geometry: ``BLOCK_M`` divides ``block_q``,
+    ``BLOCK_N`` divides ``block_kv`` (FlexAttention requires both), as large as the H100 default
+    (128 x 64 for D = 128) allows."""
+    block_m = flex_tile(block_q, 128)
+    block_n = flex_tile(block_kv, 64)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if block_m >= 128 else 4, "num_stages": 3}
+
+
+def kv_block_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention's ``kv_num_blocks [B, H, nQ]`` and ``kv_indices [B, H, nQ, nKV]`` (active
+    columns first, ascending) of a bool block tensor ``[B, H, nQ, nKV]``."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts, order
+
+
+class FlexAttentionBackend(Backend):
+    """``torch.nn.attention.flex_attention`` compiled with ``torch.compile``; the logical mask as a
+    ``BlockMask.from_kv_blocks`` with ``BLOCK_SIZE = (B_Q, B_KV)``, every active block a *full*
+    block (no ``mask_mod`` work inside it; the kernel still masks the partial last block), per-head
+    masks, kernel ``BLOCK_M/BLOCK_N`` matched to the geometry."""
+
+    name = "flex"
+    kind = "sparse"
+
+    def __init__(self, kernel_options: dict | None = None, recompile_limit: int = 256):
+        self._error: str | None = None
+        self._fixed_options = kernel_options
+        self._recompile_limit = recompile_limit
+        self._compiled: Any = None
+        try:
+            from torch.nn.attention.flex_attention import BlockMask, flex_attention
+        except ImportError as err:
+            self._error = f"torch {torch.__version__} has no FlexAttention: {err}"
+            return
+        self._flex_attention = flex_attention
+        self._block_mask_cls = BlockMask
+        params = inspect.signature(BlockMask.from_kv_blocks).parameters
+        # Forward-only: the transposed (q-block) lists are only needed for the backward pass.
+        self._from_kv_extra = {"compute_q_blocks": False} if "compute_q_blocks" in params else {}
+        self._has_seq_lengths = "seq_lengths" in params
+
+    def compiled(self) -> Any:
+        """The compiled ``flex_attention``, made on first use.
+
+        One compiled callable serves every geometry and each (geometry, shape) is one more graph, so
+        this raises dynamo's per-function recompile limit (never lowers it) and makes hitting it an
+        error instead of a silent fall back to eager, which would materialize S x S scores. These are
+        process-wide torch settings: the benchmark process owns them."""
+        if self._compiled is None:
+            dynamo_config = torch._dynamo.config
+            limit = self._recompile_limit
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo_config, name):
+                    setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+                    break
+            if hasattr(dynamo_config, "accumulated_recompile_limit"):
+                dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * limit)
+            if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+                dynamo_config.fail_on_recompile_limit_hit = True
+            self._compiled = torch.compile(self._flex_attention, dynamic=False)
+        return self._compiled
+
+    def unavailable(self) -> str | None:
+        if self._error:
+            return self._error
+        if not torch.cuda.is_available():
+            return "benchmarked on CUDA only (Triton kernels)"
+        return None
+
+    def unsupported(self, problem: Problem) -> str | None:
+        if problem.device.type != "cuda":
+            return "needs CUDA tensors"
+        return None
+
+    def kernel_options(self, problem: Problem) -> dict:
+        if self._fixed_options is not None:
+            return dict(self._fixed_options)
+        return flex_kernel_options(problem.mask.block_q, problem.mask.block_kv)
+
+    def block_mask(self, problem: Problem) -> Any:
+        """The FlexAttention ``BlockMask`` of the problem's logical mask (the baseline's preprocessing)."""
+        mask = problem.mask
+        counts, indices = kv_block_lists(mask.blocks)
+        kwargs = dict(self._from_kv_extra)
+        if self._has_seq_lengths:
+            kwargs["seq_lengths"] = (mask.seq_len_q, mask.seq_len_kv)
+        return self._block_mask_cls.from_kv_blocks(
+            torch.zeros_like(counts),
+            torch.zeros_like(indices),
+            counts,
+            indices,
+            BLOCK_SIZE=(mask.block_q, mask.block_kv),
+            **kwargs,
+        )
+
+    def prepare(self, problem: Problem) -> Any:
+        return self.block_mask(problem), self.kernel_options(problem), problem.scale
+
+    def convert(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
+        return to_heads_first(q, k, v)
+
+    def run(self, prepared: Any, inputs: Inputs) -> torch.Tensor:
+        block_mask, options, scale = prepared
+        return self.compiled()(*inputs, block_mask=block_mask, scale=scale, kernel_options=options)
+
+    def to_bshd(self, out: torch.Tensor, problem: Problem) -> torch.Tensor:
+        return out.transpose(1, 2)
+
+    def describe(self) -> dict:
+        return {"kernel_options": "matched to the geometry" if self._fixed_options is None else self._fixed_options,
+                "blocks_as": "full blocks (no mask_mod)", "compile": "torch.compile(dynamic=False)"}
+

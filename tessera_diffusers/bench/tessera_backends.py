@@ -1,0 +1,128 @@
+"""Tessera rows: the plan the selector picks, and (for regret and the kernel study) every eligible
+catalog plan forced one at a time.
+
+Kernel latency runs ``runtime.execute`` on a prepared plan. Complete-request latency calls a fresh
+``Runtime().attention`` (input checks, mask state, selection, preparation, execution), so nothing
+is cached between requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..catalog import reference_kernel
+from ..eligibility import rejection
+from ..errors import CatalogError
+from ..mask_state import build_mask_state
+from ..plans import DTYPE_NAMES, KvLayout, PhysicalPlan, Request, TaskOrganization
+from ..prepare import PreparedPlan, prepare
+from ..runtime import Runtime, device_arch, execute
+from ..selector import native_candidates, rank
+from .backends import Backend, Inputs, Skip
+from .problem import Problem
+
+
+def request_of(problem: Problem) -> Request:
+    """The selector's view of a problem (no tensors needed)."""
+    return Request(
+        batch=problem.batch,
+        heads=problem.heads,
+        seq_len_q=problem.seq_q,
+        seq_len_kv=problem.seq_kv,
+        head_dim=problem.head_dim,
+        dtype=DTYPE_NAMES.get(problem.dtype, "fp32"),
+        block_q=problem.mask.block_q,
+        block_kv=problem.mask.block_kv,
+        arch=device_arch(problem.device),
+        return_lse=False,
+    )
+
+
+def executor_plans(problem: Problem) -> list[PhysicalPlan]:
+    """PyTorch-executor plans (the reference kernel family) for a device without native kernels:
+    the direct mapping, and a coarsened one where two blocks fit one membership word."""
+    mask = problem.mask
+    dtype = DTYPE_NAMES.get(problem.dtype, "fp32")
+    tiles = [(mask.block_q, mask.block_kv), (mask.block_q, 2 * mask.block_kv)]
+    plans = []
+    for tile_q, tile_kv in tiles:
+        kernel = reference_kernel(problem.head_dim, dtype, tile_q, tile_kv)
+        plans.append(PhysicalPlan(mask.block_q, mask.block_kv, KvLayout.CONTIGUOUS, TaskOrganization(), kernel))
+    request = request_of(problem)
+    return [p for p in plans if rejection(p, request) is None]
+
+
+def candidate_plans(problem: Problem, allow_executor: bool) -> tuple[list[PhysicalPlan], str | None]:
+    """Eligible native plans for the problem; on a device without native kernels, the executor
+    plans when ``allow_executor`` (the CPU smoke run), else none and the reason."""
+    request = request_of(problem)
+    plans, why_none = native_candidates(request)
+    eligible = [p for p in plans if rejection(p, request) is None]
+    if eligible:
+        return eligible, None
+    if allow_executor:
+        return executor_plans(problem), None
+    if plans:
+        return [], "no catalog plan is eligible: " + "; ".join(
+            f"{p.name}: {rejection(p, request)}" for p in plans[:3])
+    return [], why_none or "the catalog has no plan for this geometry"
+
+
+class TesseraSelected(Backend):
+    """The plan the selector chooses (plan table or cost model), through the public runtime."""
+
+    name = "tessera"
+    kind = "tessera"
+
+    def prepare(self, problem: Problem) -> tuple[PreparedPlan, float]:
+        state = build_mask_state(problem.mask)
+        try:
+            selection = rank(request_of(problem), state)
+        except CatalogError as err:
+            raise Skip(f"native kernels unavailable: {err}") from err
+        if selection.chosen is None:
+            reasons = "; ".join(f"{n}: {r}" for n, r in selection.rejected[:3]) or "no plan"
+            raise Skip(f"the selector chose no native plan ({reasons})")
+        return prepare(selection.chosen, state), problem.scale
+
+    def run(self, prepared: tuple[PreparedPlan, float], inputs: Inputs) -> torch.Tensor:
+        plan, scale = prepared
+        return execute(plan, *inputs, scale, False)
+
+    def request(self, problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return Runtime().attention(q, k, v, problem.mask, scale=problem.scale)
+
+    @staticmethod
+    def chosen_plan(prepared: tuple[PreparedPlan, float]) -> str:
+        return prepared[0].plan.name
+
+
+class TesseraPlan(Backend):
+    """One catalog plan forced (``block_sparse_attention(..., plan=plan)``)."""
+
+    kind = "tessera"
+
+    def __init__(self, plan: PhysicalPlan):
+        self.plan = plan
+        self.name = f"tessera:{plan.name}"
+
+    def prepare(self, problem: Problem) -> tuple[PreparedPlan, float]:
+        return prepare(self.plan, build_mask_state(problem.mask)), problem.scale
+
+    def run(self, prepared: tuple[PreparedPlan, float], inputs: Inputs) -> torch.Tensor:
+        plan, scale = prepared
+        return execute(plan, *inputs, scale, False)
+
+    def request(self, problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return Runtime().attention(q, k, v, problem.mask, scale=problem.scale, plan=self.plan)
+
+    def describe(self) -> dict:
+        plan = self.plan
+        return {
+            "plan": plan.name,
+            "mapping": plan.mapping_name,
+            "tile": [plan.tile_q, plan.tile_kv],
+            "kv_layout": plan.kv_layout.value,
+            "tasks": plan.tasks.name,
+            "kernel": plan.kernel.name,
+        }

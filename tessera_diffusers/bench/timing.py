@@ -1,0 +1,87 @@
+"""Timing per DESIGN section 9.
+
+Kernel latency: CUDA events around each call on the current stream, ``warmup`` untimed calls, then
+the median of ``reps`` timed calls, each on the next of several input sets (so L2 cannot hold the
+operands between calls). Complete-request latency: the host monotonic clock from the call to the
+synchronized end, including every mask-dependent step. On a CPU device both use the host clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Samples of one measurement in milliseconds."""
+
+    samples_ms: tuple[float, ...]
+    timer: str  # "cuda_events" | "host_monotonic"
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.samples_ms)
+
+    def to_dict(self) -> dict:
+        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "samples_ms": list(self.samples_ms), "timer": self.timer}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_counts(warmup: int, reps: int) -> None:
+    if warmup < 0:
+        raise InvalidArgumentError("warmup", "a non-negative int", warmup)
+    if reps < 1:
+        raise InvalidArgumentError("reps", "a positive int", reps)
+
+
+def time_kernel(run: Callable[[int], object], n_sets: int, warmup: int, reps: int, device: torch.device) -> Timing:
+    """Median latency of ``run(set_index)``; call ``i`` uses input set ``i % n_sets``."""
+    check_counts(warmup, reps)
+    for i in range(warmup):
+        run(i % n_sets)
+    if device.type != "cuda":
+        samples = []
+        for i in range(reps):
+            start = time.perf_counter_ns()
+            run((warmup + i) % n_sets)
+            samples.append((time.perf_counter_ns() - start) / 1e6)
+        return Timing(tuple(samples), "host_monotonic")
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    synchronize(device)
+    for i in range(reps):
+        starts[i].record()
+        run((warmup + i) % n_sets)
+        ends[i].record()
+    synchronize(device)
+    return Timing(tuple(float(s.elapsed_time(e)) for s, e in zip(starts, ends)), "cuda_events")
+
+
+def time_request(request: Callable[[int], object], n_sets: int, warmup: int, reps: int, device: torch.device) -> Timing:
+    """Median host latency of a complete request ``request(set_index)``, synchronized at both ends."""
+    check_counts(warmup, reps)
+    for i in range(warmup):
+        request(i % n_sets)
+    samples = []
+    for i in range(reps):
+        synchronize(device)
+        start = time.perf_counter_ns()
+        request((warmup + i) % n_sets)
+        synchronize(device)
+        samples.append((time.perf_counter_ns() - start) / 1e6)
+    return Timing(tuple(samples), "host_monotonic")

@@ -1,0 +1,199 @@
+"""The benchmark harness on the CPU: the smoke run end to end, the baselines' mask conversions
+(checked without a GPU by rebuilding the logical mask from them), timing, the oracle check and the
+aggregate metrics on hand-made records."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from tessera_diffusers.bench import cli
+from tessera_diffusers.bench.backends import FlexAttentionBackend, flex_kernel_options, kv_block_lists
+from tessera_diffusers.bench.flashinfer_backends import folded_bsr, gathered_key_tokens, variable_block_sizes
+from tessera_diffusers.bench.metrics import compare, geometric_mean, regrets, summarize
+from tessera_diffusers.bench.problem import OracleCheck, Problem, check_heads, make_inputs
+from tessera_diffusers.bench.timing import time_kernel, time_request
+from tessera_diffusers.corpus import CaseSpec, LatentGrid
+from tessera_diffusers.errors import InvalidArgumentError
+from tessera_diffusers.testing import random_mask
+
+
+def small_problem(seed: int = 0, heads: int = 3) -> Problem:
+    mask = random_mask(1, heads, 200, 200, 32, 48, density=0.3, seed=seed)  # partial blocks, empty rows
+    return Problem("p", "test", "Q32K48", "random", mask, 1, heads, 16, torch.float32)
+
+
+def test_smoke_run_writes_its_files(tmp_path) -> None:
+    out = tmp_path / "smoke"
+    rc = cli.main(["--smoke", "--out", str(out), "--no-progress", "--families", "Q32K16,Q64K64-DD"])
+    assert rc == 0
+    for name in ("records.jsonl", "results.json", "results.md", "speedup_vs_dense_smoke.png",
+                 "latency_vs_density_smoke.png"):
+        assert (out / name).is_file(), name
+    payload = json.loads((out / "results.json").read_text())
+    records = payload["records"]
+    assert {r["family"] for r in records} == {"Q32K16", "Q64K64-DD"}
+    by_backend = {}
+    for r in records:
+        by_backend.setdefault(r["backend"].split(":")[0], []).append(r)
+    assert all(r["status"] == "ok" and r["check"]["ok"] for r in by_backend["reference"])
+    plans = by_backend["tessera"]
+    assert any(r["status"] == "ok" for r in plans), "the PyTorch executor plans are measured on the CPU"
+    for r in plans:
+        if r["status"] == "ok":
+            assert r["check"]["ok"] and r["kernel_ms"] > 0 and r["request_ms"] > 0 and len(r["kernel"]["samples_ms"]) == 2
+    selected = [r for r in plans if r["backend"] == "tessera"]
+    assert selected and all(r["status"] == "skipped" for r in selected)  # no native kernels on a CPU
+    assert payload["environment"]["torch"] == torch.__version__
+    markdown = (out / "results.md").read_text()
+    assert "# Tessera benchmark" in markdown and "Q64K64-DD" in markdown and "torch " + torch.__version__ in markdown
+    # The report can be rebuilt from the records alone.
+    assert cli.main(["--smoke", "--out", str(out), "--no-progress", "--report-only"]) == 0
+
+
+def test_flex_block_mask_is_the_logical_mask() -> None:
+    backend = FlexAttentionBackend()
+    if backend._error:  # a torch without FlexAttention: nothing to check here
+        pytest.skip(backend._error)
+    problem = small_problem()
+    block_mask = backend.block_mask(problem)
+    assert block_mask.BLOCK_SIZE == (32, 48)
+    assert tuple(block_mask.seq_lengths) == (200, 200)
+    assert torch.equal(block_mask.to_dense().bool(), problem.mask.blocks)
+    counts, indices = kv_block_lists(problem.mask.blocks)
+    assert torch.equal(counts, problem.mask.blocks.sum(-1).to(torch.int32))
+    first = indices[0, 0, 0, : int(counts[0, 0, 0])]
+    assert torch.equal(first.sort().values, first) and bool(problem.mask.blocks[0, 0, 0, first.long()].all())
+    assert flex_kernel_options(16, 16)["BLOCK_M"] == 16 and flex_kernel_options(384, 384)["BLOCK_N"] == 64
+    assert flex_kernel_options(128, 64) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+
+
+@pytest.fixture
+def dynamo_settings_restored():
+    """The Flex backend raises dynamo's recompile limits process-wide; put them back after the test."""
+    config = torch._dynamo.config
+    names = ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit")
+    saved = {n: getattr(config, n) for n in names if hasattr(config, n)}
+    yield
+    for name, value in saved.items():
+        setattr(config, name, value)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler for inductor")
+def test_flex_compiled_on_cpu_follows_the_block_mask(dynamo_settings_restored) -> None:
+    """Inductor's CPU FlexAttention template honours block sparsity, so the BlockMask the baseline
+    builds (every active block full, partial last blocks, empty rows) can be checked end to end."""
+    backend = FlexAttentionBackend()
+    if backend._error:
+        pytest.skip(backend._error)
+    mask = CaseSpec("Q64K64-DD", "importance_topk", LatentGrid("flex", 3, 16, 30, 0, 2), 2, 3).build()
+    assert mask.seq_len_q % 64 and bool((~mask.blocks.any(-1)).any())  # partial blocks and empty rows
+    problem = Problem("flex", "test", "Q64K64-DD", "importance_topk", mask, 1, 2, 64, torch.float32)
+    inputs = make_inputs(problem, 1, seed=3)[0]
+    block_mask, _, scale = backend.prepare(problem)
+    out = backend.compiled()(*backend.convert(*inputs), block_mask=block_mask, scale=scale)
+    check = OracleCheck(problem, inputs, [0, 1]).compare(backend.to_bshd(out, problem))
+    assert check.ok, check
+
+
+def test_flashinfer_inputs_rebuild_the_mask() -> None:
+    problem = small_problem(seed=1)
+    blocks = problem.mask.blocks  # [1, 3, nQ, nKV]
+    n_q, n_kv = blocks.shape[-2:]
+    indptr, indices = folded_bsr(blocks, 1, 3)
+    assert indptr.numel() == 3 * n_q + 1 and int(indptr[-1]) == indices.numel() == int(blocks.sum())
+    folded = torch.zeros(3 * n_q, 3 * n_kv, dtype=torch.bool)
+    rows = torch.repeat_interleave(torch.arange(3 * n_q), (indptr[1:] - indptr[:-1]).long())
+    folded[rows, indices.long()] = True
+    for h in range(3):  # block-diagonal: head h's rows see only head h's keys
+        assert torch.equal(folded[h * n_q:(h + 1) * n_q, h * n_kv:(h + 1) * n_kv], blocks[0, h])
+    assert int(folded.sum()) == int(blocks.sum())
+    block_map, row_sz, col_sz = variable_block_sizes(problem)
+    assert torch.equal(block_map, blocks[0]) and row_sz.dtype == torch.int32
+    assert (row_sz.sum(1) == 200).all() and (col_sz.sum(1) == 200).all() and int(col_sz[0, -1]) == 200 - 4 * 48
+    assert gathered_key_tokens(problem) == int((blocks[0].double() @ col_sz[0].double()).sum())
+
+
+def test_timing_rotates_inputs_and_counts_reps() -> None:
+    calls = []
+    timing = time_kernel(calls.append, 3, 2, 5, torch.device("cpu"))
+    assert calls == [0, 1, 2, 0, 1, 2, 0]  # 2 warm-ups then 5 timed, rotating over 3 sets
+    assert len(timing.samples_ms) == 5 and timing.timer == "host_monotonic"
+    calls.clear()
+    timing = time_request(calls.append, 2, 1, 3, torch.device("cpu"))
+    assert calls == [0, 1, 0, 1] and len(timing.samples_ms) == 3
+    with pytest.raises(InvalidArgumentError):
+        time_kernel(calls.append, 1, 0, 0, torch.device("cpu"))
+
+
+def test_oracle_check_accepts_the_oracle_and_rejects_errors() -> None:
+    problem = small_problem(seed=2)
+    q, k, v = make_inputs(problem, 1, seed=0)[0]
+    assert not bool((q == 0).any())
+    heads = check_heads(problem.heads, 2)
+    assert heads == [0, 2]
+    check = OracleCheck(problem, (q, k, v), heads)
+    from tessera_diffusers import reference
+
+    exact = reference.attention(q, k, v, problem.mask)
+    assert check.compare(exact).ok
+    empty_rows = ~problem.mask.blocks.any(-1)
+    assert bool(empty_rows[0, heads].any()), "the test mask has empty rows on the checked heads"
+    wrong = exact.clone()
+    wrong[0, 5, 0, 0] += 0.1
+    result = check.compare(wrong)
+    assert not result.ok and not result.within_tolerance
+    nonzero_empty = exact.clone()
+    row_block = int(torch.nonzero(empty_rows[0, 0])[0])
+    nonzero_empty[0, row_block * 32, 0] = 1.0
+    result = check.compare(nonzero_empty)
+    assert result.within_tolerance and not result.empty_rows_zero and not result.ok
+    nan = exact.clone()
+    nan[0, 0, 2, 0] = math.nan
+    assert not check.compare(nan).within_tolerance
+
+
+def record(case: str, backend: str, family: str, ms: float, **extra) -> dict:
+    base = {"size": "s", "case": case, "backend": backend, "family": family, "status": "ok", "kernel_ms": ms,
+            "request_ms": 2 * ms, "tflops": 100.0 / ms, "density": 0.1}
+    return {**base, **extra}
+
+
+def test_metrics_on_known_records() -> None:
+    records = [
+        record("a", "tessera", "Q64K64", 1.0, selected_plan="p1"),
+        record("b", "tessera", "Q64K64", 3.0, selected_plan="p2"),
+        record("a", "flex", "Q64K64", 3.0),
+        record("b", "flex", "Q64K64", 3.05),
+        record("c", "tessera", "Q16K16", 2.0, selected_plan="p1"),
+        record("c", "flex", "Q16K16", 1.0),
+        record("a", "sdpa-cudnn", "Q64K64", 10.0, tflops=50.0),
+        record("a", "flashinfer-bsr-fa2", "Q64K64", 2.0),
+        record("b", "flashinfer-bsr-fa2", "Q64K64", 2.0),
+        record("a", "flashinfer-var-fa2", "Q64K64", 1.5),  # faster, but ran on fewer cases
+        record("a", "tessera:p1", "Q64K64", 1.0),
+        record("a", "tessera:p2", "Q64K64", 0.8),
+        record("b", "tessera:p1", "Q64K64", 2.5),
+        {**record("b", "tessera:p2", "Q64K64", 9.0), "status": "invalid", "reason": "x"},
+    ]
+    flex = compare(records, "tessera", "flex")["s"]
+    assert flex["families"]["Q64K64"]["speedup"] == pytest.approx((3.0 + 3.05) / (1.0 + 3.0))  # ratio of means
+    assert flex["families"]["Q16K16"]["speedup"] == pytest.approx(0.5)
+    assert flex["paired_case_gm"] == pytest.approx(geometric_mean([3.0, 3.05 / 3.0, 0.5]))
+    assert flex["nine_family_gm"] == pytest.approx(math.sqrt(6.05 / 4.0 * 0.5))
+    assert (flex["win"], flex["tie"], flex["loss"]) == (1, 1, 1)  # b is within the 3% band
+    regret = {r["case"]: r for r in regrets(records)}
+    assert regret["a"]["regret"] == pytest.approx(1.0 / 0.8) and regret["a"]["best_plan"] == "p2"
+    # b selected p2, whose forced run was invalid: its own timed run (3.0) against the best valid plan (2.5)
+    assert regret["b"]["regret"] == pytest.approx(1.2) and regret["b"]["best_plan"] == "p1"
+    summary = summarize(records)
+    fam = summary["families"]["s"]["Q64K64"]
+    assert fam["flashinfer-best"]["variants"] == ["flashinfer-bsr-fa2"]  # the variant that ran on both cases
+    assert fam["tessera"]["efficiency"] == pytest.approx((100.0 / 1.0) / 50.0)  # only case a has cuDNN
+    assert fam["tessera-best-plan"]["variants"] == ["tessera:p1"]  # the only plan valid on every case
+    assert summary["status"]["tessera:*"]["invalid"] == 1
