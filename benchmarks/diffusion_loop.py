@@ -52,7 +52,7 @@ from tessera_diffusers.processors.context import grid_from_latents, patch_size_o
 
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
-from tessera_diffusers.sparsifiers import LatentGrid, SSTASparsifier, tile_layout, top_k_for_density
+from tessera_diffusers.sparsifiers import LatentGrid, SSTASparsifier, tile_layout, top_k_for_block_density
 
 FULL_STEPS = 50
 FULL_BRANCHES = 2  # classifier-free guidance
@@ -391,13 +391,16 @@ class SystemResult:
     final_latents: torch.Tensor | None = None
 
 
-def sparsifier_for(spec: ModelSpec, grid: LatentGrid, density: float, window, native: bool, smoke: bool):
+def sparsifier_for(spec: ModelSpec, grid: LatentGrid, density: float, window, native: bool, smoke: bool, device):
+    """The SSTA-style sparsifier of the run: 6x8x8 tiles, ``window``, top-k tuned so that the block
+    masks (what every backend computes) keep about ``density`` of the block pairs."""
     if smoke:
         return SSTASparsifier(tile=(1, 4, 4), window=(1, 1, 1), top_k=4)
     if native and spec.name == "hv15":
         return SSTASparsifier()  # HunyuanVideo-1.5's own: 6x8x8 tiles, 3x3x3 window, top-k 64 (32 here)
     base = SSTASparsifier(tile=(6, 8, 8), window=window)
-    return SSTASparsifier(tile=(6, 8, 8), window=window, top_k=top_k_for_density(base, grid, density))
+    top_k = top_k_for_block_density(base, grid, density, heads=spec.heads, head_dim=spec.head_dim, device=device)
+    return SSTASparsifier(tile=(6, 8, 8), window=window, top_k=top_k)
 
 
 def denoise(model, latents0, inputs, steps: int, branches: tuple[str, ...], out_channels: int):
@@ -501,7 +504,7 @@ def bench_model(spec: ModelSpec, args, device, dtype, deadline: float) -> dict:
     else:
         model, latent_shape, inputs = build_hv15(layers, device, dtype, args.smoke, args.qwen_valid)
     grid = grid_from_latents(latent_shape, patch_size_of(model))
-    sparsifier = sparsifier_for(spec, grid, args.density, tuple(args.window), args.native_ssta, args.smoke)
+    sparsifier = sparsifier_for(spec, grid, args.density, tuple(args.window), args.native_ssta, args.smoke, device)
     gen = torch.Generator().manual_seed(0)
     out_channels = model.config.out_channels
     latents0 = torch.randn(latent_shape[0], out_channels, *latent_shape[2:], generator=gen).to(device, dtype)
@@ -674,7 +677,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="denoising steps run (default 50; smoke 2)")
     parser.add_argument("--layers", type=int, default=None, help="transformer blocks built and run (default 2)")
     parser.add_argument("--cfg", action="store_true", help="run both guidance branches (default: one, extrapolated x2)")
-    parser.add_argument("--density", type=float, default=0.10, help="target fraction of tile pairs kept")
+    parser.add_argument("--density", type=float, default=0.10, help="target fraction of block pairs kept")
     parser.add_argument(
         "--window",
         type=lambda s: [int(x) for x in s.split(",")],

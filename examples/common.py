@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier, ssta_384, top_k_for_density
+from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier, ssta_384, top_k_for_block_density
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -33,9 +33,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, frames: int, steps: in
 
 
 def tuned_ssta(grid: LatentGrid, density: float, window=(1, 3, 3)) -> SSTASparsifier:
-    """SSTA-style tile window + top-k over 6x8x8 tiles, with top-k set for ``density`` on ``grid``."""
+    """SSTA-style tile window + top-k over 6x8x8 tiles, with top-k set for a block density of about
+    ``density`` on ``grid``."""
     base = SSTASparsifier(window=window)
-    return SSTASparsifier(window=window, top_k=top_k_for_density(base, grid, density))
+    return SSTASparsifier(window=window, top_k=top_k_for_block_density(base, grid, density))
 
 
 def hunyuan_native() -> SSTASparsifier:

@@ -23,7 +23,13 @@ from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.tiny import tiny_wan_pipeline, wan_prompt_inputs
 
 from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention, reference
-from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier, all_active, top_k_for_density
+from tessera_diffusers.sparsifiers import (
+    DenseWarmup,
+    LatentGrid,
+    SSTASparsifier,
+    all_active,
+    top_k_for_block_density,
+)
 
 
 def cpu_job(steps: int = 6) -> dict:
@@ -90,7 +96,8 @@ def gpu_job(density: float = 0.10, iters: int = 5) -> dict:
     grid = LatentGrid(21, 45, 80)
     heads, head_dim = 40, 128
     base = SSTASparsifier(window=(1, 3, 3))
-    sparsifier = SSTASparsifier(window=(1, 3, 3), top_k=top_k_for_density(base, grid, density))
+    top_k = top_k_for_block_density(base, grid, density, heads=heads, head_dim=head_dim, device=device)
+    sparsifier = SSTASparsifier(window=(1, 3, 3), top_k=top_k)
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
         torch.randn(1, grid.num_tokens, heads, head_dim, generator=gen, device=device, dtype=torch.bfloat16)

@@ -253,7 +253,7 @@ class TesseraProcessor:
             kind = Route.STOCK
         layer = sum(1 for r in self.routes.values() if r.route is kind) if kind is not Route.STOCK else -1
         route = ModuleRoute(kind, 0, layer)
-        self.routes[(attn)] = route
+        self.routes[attn] = route
         return route
 
     def context_for(self, route: ModuleRoute, seq_video: int) -> ForwardContext:

@@ -20,6 +20,7 @@ from tessera_diffusers.sparsifiers import (
     ssta_64,
     ssta_384,
     tile_layout,
+    top_k_for_block_density,
     top_k_for_density,
 )
 
@@ -184,6 +185,23 @@ def test_ssta_defaults_match_hunyuan_video15_at_720p():
     # The 64-token variant keeps the token budget.
     small = ssta_64()
     assert small.layout(grid).block == 64 and small.effective_top_k(grid) == 192
+
+
+def test_top_k_for_block_density_hits_the_block_budget():
+    grid = LatentGrid(13, 25, 36)  # 4 x 4 x 4 tiles leave partial tiles on every axis
+    base = SSTASparsifier(tile=(4, 4, 4), window=(1, 3, 3))
+    top_k = top_k_for_block_density(base, grid, 0.15)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, grid.num_tokens, 4, 32, generator=gen)
+    k = torch.randn(1, grid.num_tokens, 4, 32, generator=gen)
+
+    def density(t: int) -> float:
+        return SSTASparsifier(tile=(4, 4, 4), window=(1, 3, 3), top_k=t)(q, k, layer=0, step=0, grid=grid).density()
+
+    assert abs(density(top_k) - 0.15) < 0.02
+    assert abs(density(top_k) - 0.15) <= abs(density(top_k + 4) - 0.15)
+    tile_level = SSTASparsifier(tile=(4, 4, 4), window=(1, 3, 3), top_k=top_k).expected_density(grid)
+    assert tile_level < density(top_k)  # the union over border tiles makes blocks denser than tiles
 
 
 def test_top_k_for_density_hits_the_budget():

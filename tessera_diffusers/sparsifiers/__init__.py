@@ -9,7 +9,7 @@ DenseWarmup                           full attention for the first steps / layer
 from .adaptive import AdaptiveDecision, AdaptiveSparsifier
 from .base import LatentGrid, Sparsifier
 from .layout import TileLayout, tile_layout
-from .ssta import SSTASparsifier, ssta_64, ssta_384, top_k_for_density
+from .ssta import SSTASparsifier, ssta_64, ssta_384, top_k_for_block_density, top_k_for_density
 from .static import StaticSparsifier, all_active
 from .warmup import DenseWarmup
 
@@ -26,5 +26,6 @@ __all__ = [
     "ssta_384",
     "ssta_64",
     "tile_layout",
+    "top_k_for_block_density",
     "top_k_for_density",
 ]

@@ -141,3 +141,48 @@ def top_k_for_density(sparsifier: SSTASparsifier, grid: LatentGrid, density: flo
     extra = max(0, round(density * layout.num_tiles) - window_size(layout, sparsifier.window))
     halved = sparsifier.halve_top_k_at_frames and grid.frames <= sparsifier.halve_top_k_at_frames
     return 2 * extra if halved else extra
+
+
+def top_k_for_block_density(
+    sparsifier: SSTASparsifier,
+    grid: LatentGrid,
+    density: float,
+    heads: int = 4,
+    head_dim: int = 32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> int:
+    """The ``top_k`` (before the short-video halving) whose *block-level* density is closest to
+    ``density`` on random probe ``q, k``.
+
+    Where tiles do not divide the grid, blocks over the border tiles are unions of several tiles, so
+    a block mask is denser than its tile mask; this searches ``top_k`` for the density the kernels
+    actually see. Real activations choose other tiles, so the density of a run is close to, not
+    exactly, the target (the processor reports it)."""
+    if not 0.0 < density <= 1.0:
+        raise InvalidArgumentError("density", "a float in (0, 1]", density)
+    layout = sparsifier.layout(grid)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, grid.num_tokens, heads, head_dim, generator=gen).to(device)
+    k = torch.randn(1, grid.num_tokens, heads, head_dim, generator=gen).to(device)
+    halved = bool(sparsifier.halve_top_k_at_frames) and grid.frames <= sparsifier.halve_top_k_at_frames
+    scale = 2 if halved else 1
+    limit = layout.num_tiles - window_size(layout, sparsifier.window)
+
+    def block_density(extra: int) -> float:
+        probe = SSTASparsifier(
+            sparsifier.tile, sparsifier.window, extra * scale, sparsifier.lam, sparsifier.halve_top_k_at_frames
+        )
+        return float(probe(q, k, layer=0, step=0, grid=grid).blocks.float().mean())
+
+    lo, hi = 0, max(limit, 0)
+    while lo < hi:  # smallest extra whose block density reaches the target
+        mid = (lo + hi) // 2
+        if block_density(mid) < density:
+            lo = mid + 1
+        else:
+            hi = mid
+    best = lo
+    if lo > 0 and abs(block_density(lo - 1) - density) < abs(block_density(lo) - density):
+        best = lo - 1
+    return best * scale
