@@ -95,10 +95,22 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, iters: int) -> tuple[torch.Tenso
     centroids = x[init].clone()
     for _ in range(iters):
         labels = nearest_centroid(x, centroids)
-        sums = torch.zeros_like(centroids).index_add_(0, labels, x)
+        sums = cluster_sums(x, labels, centroids.shape[0])
         counts = torch.bincount(labels, minlength=centroids.shape[0]).to(x.dtype).unsqueeze(-1)
         centroids = torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
     return nearest_centroid(x, centroids), centroids
+
+
+def cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Sum of the rows of ``x [N, C]`` per label, ``[k, C]``, by one-hot matmuls over row chunks
+    (``index_add_`` on CUDA adds floats atomically, in no fixed order, which would make the
+    clustering, and so the mask, differ from run to run)."""
+    sums = torch.zeros(k, x.shape[1], dtype=x.dtype, device=x.device)
+    clusters = torch.arange(k, device=x.device)
+    for start in range(0, x.shape[0], KMEANS_CHUNK):
+        one_hot = (labels[start : start + KMEANS_CHUNK].unsqueeze(0) == clusters.unsqueeze(1)).to(x.dtype)
+        sums += one_hot @ x[start : start + KMEANS_CHUNK]
+    return sums
 
 
 def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
