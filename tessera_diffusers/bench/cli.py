@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-reps", type=int, default=3)
     parser.add_argument("--plan-request-reps", type=int, default=1,
                         help="complete requests timed per forced catalog plan (0: kernel latency only)")
+    parser.add_argument("--plan-filter", default=None,
+                        help="regular expression: only forced catalog plans whose name matches (e.g. 'lpt$|split2')")
     parser.add_argument("--validate-heads", type=int, default=2, help="heads checked against the oracle")
     parser.add_argument("--atol", type=float, default=None, help="absolute slack of the oracle check")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
@@ -93,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             reps=2,
             input_sets=2,
             request_reps=1,
+            plan_filter=args.plan_filter,
             validate_heads=args.validate_heads,
             atol=args.atol,
             device=device,
@@ -126,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         input_sets=args.input_sets,
         request_reps=args.request_reps,
         plan_request_reps=args.plan_request_reps,
+        plan_filter=args.plan_filter,
         validate_heads=args.validate_heads,
         atol=args.atol,
         device=device,

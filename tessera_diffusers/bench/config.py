@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,7 @@ class BenchConfig:
     input_sets: int = 3
     request_reps: int = 3
     plan_request_reps: int = 1  # complete requests timed per forced catalog plan (0: none)
+    plan_filter: str | None = None  # regular expression over plan names (forced plans only)
     validate_heads: int = 2
     atol: float | None = None
     device: str = "cuda"
@@ -118,6 +120,11 @@ class BenchConfig:
         for name in self.backends:
             if name not in BACKEND_NAMES:
                 raise InvalidArgumentError("backends", f"names from {BACKEND_NAMES}", repr(name))
+        if self.plan_filter is not None:
+            try:
+                re.compile(self.plan_filter)
+            except re.error as err:
+                raise InvalidArgumentError("plan_filter", "a regular expression", f"{self.plan_filter!r} ({err})") from err
         for name, value, least in (("warmup", self.warmup, 0), ("reps", self.reps, 1), ("input_sets", self.input_sets, 1),
                                    ("request_reps", self.request_reps, 1), ("cases_per_family", self.cases_per_family, 1),
                                    ("plan_request_reps", self.plan_request_reps, 0),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -293,6 +294,9 @@ def plan_backends(state: RunState, problem: Problem) -> list[Backend]:
     plans, why_none = candidate_plans(problem, allow_executor=problem.device.type != "cuda")
     if not plans:
         state.log(f"no Tessera plans for {problem.name}: {why_none}")
+    pattern = state.config.plan_filter
+    if pattern is not None:
+        plans = [p for p in plans if re.search(pattern, p.name)]
     return [TesseraPlan(p) for p in plans]
 
 
