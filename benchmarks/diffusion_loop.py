@@ -256,7 +256,6 @@ class FlexBackend:
                 torch._dynamo.config.fail_on_recompile_limit_hit = True  # fail loudly rather than run eager
         self.fn = torch.compile(fa.flex_attention, dynamic=False) if compiled else fa.flex_attention
         self.has_aux = hasattr(fa, "AuxRequest")
-        self.lse_scale = 1.0
 
     def block_mask(self, mask: LogicalMask, batch: int, heads: int):
         counts, order = block_lists(mask, batch, heads)
@@ -315,14 +314,7 @@ class FlexBackend:
         small = mask.block_q % 128 or mask.block_kv % 128
         options = {"BLOCK_M": 64, "BLOCK_N": 64} if small and self.compiled else None
         out, lse = self.run(q, k, v, block_mask, options)
-        return (out, lse * self.lse_scale) if return_lse else out
-
-    def calibrate(self, device, dtype, head_dim):
-        def run(q, k, v):
-            mask = LogicalMask.dense(q.shape[1], k.shape[1], 128, 128, device=device)
-            return self.run(q, k, v, self.block_mask(mask, q.shape[0], q.shape[2]))
-
-        self.lse_scale = lse_scale_of(run, device, dtype, head_dim)
+        return (out, lse) if return_lse else out  # FlexAttention returns natural-log lse
 
 
 class FlashInferBackend:
@@ -334,14 +326,16 @@ class FlashInferBackend:
     def __init__(self, device: torch.device, workspace_mb: int = 256):
         import flashinfer
 
-        self.flashinfer = flashinfer
+        self.wrapper_class = getattr(flashinfer, "VariableBlockSparseAttentionWrapper", None) or getattr(
+            flashinfer.sparse, "VariableBlockSparseAttentionWrapper"
+        )
         self.workspace = torch.empty(workspace_mb << 20, dtype=torch.uint8, device=device)
         self.lse_scale = 1.0
 
     def plan(self, mask: LogicalMask, heads: int, head_dim: int, dtype: torch.dtype):
         if mask.batch != 1:
             raise InvalidArgumentError("mask batch dim", "1 for the FlashInfer adapter", mask.batch)
-        wrapper = self.flashinfer.VariableBlockSparseAttentionWrapper(self.workspace)
+        wrapper = self.wrapper_class(self.workspace)
         blocks = mask.blocks[0].expand(heads, -1, -1).contiguous()
         rows = mask.block_sizes_q().to(torch.int32).expand(heads, -1).contiguous()
         cols = mask.block_sizes_kv().to(torch.int32).expand(heads, -1).contiguous()
@@ -362,7 +356,7 @@ class FlashInferBackend:
             slot, (self.name, heads, head_dim, q.dtype), lambda: (self.plan(mask, heads, head_dim, q.dtype), 0)
         )
         out, lse = self.run(wrapper, q, k, v)
-        return (out, lse * self.lse_scale) if return_lse else out
+        return (out, lse * self.lse_scale) if return_lse else out  # lse in natural log, whatever FlashInfer's base
 
     def calibrate(self, device, dtype, head_dim):
         def run(q, k, v):
@@ -436,7 +430,6 @@ def run_system(system: str, model, latents0, inputs, args, spec, device, dtype, 
             backend = TesseraBackend()
         elif system == "flex":
             backend = FlexBackend(compiled=device.type == "cuda")
-            backend.calibrate(device, dtype, head_dim)
         elif system == "flashinfer":
             if device.type != "cuda":
                 raise Unavailable("FlashInfer needs a CUDA device")

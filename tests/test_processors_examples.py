@@ -6,9 +6,11 @@ import importlib.util
 import json
 import math
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,3 +56,75 @@ def test_diffusion_loop_smoke(tmp_path):
 def test_diffusion_loop_rejects_unknown_models(tmp_path):
     with pytest.raises(SystemExit):
         load("benchmarks/diffusion_loop.py").parse_args(["--out", str(tmp_path), "--models", "sora"])
+
+
+class FakeVariableBlockSparseWrapper:
+    """FlashInfer's documented ``VariableBlockSparseAttentionWrapper`` contract, computed densely on
+    the CPU: ``plan(block_mask_map [H, MB, NB], block_row_sz [H, MB], block_col_sz [H, NB], ...)``,
+    ``run(q [H, S, D], k, v, return_lse=True) -> (out [H, S, D], lse [H, S] in log2)``."""
+
+    def __init__(self, workspace):
+        self.workspace = workspace
+
+    def plan(self, block_mask_map, block_row_sz, block_col_sz, num_qo_heads, num_kv_heads, head_dim, **kwargs):
+        assert block_mask_map.dtype == torch.bool and block_mask_map.shape[0] == num_kv_heads
+        assert block_row_sz.dtype == torch.int32 and block_row_sz.shape == block_mask_map.shape[:2]
+        assert block_col_sz.dtype == torch.int32 and block_col_sz.shape == (num_kv_heads, block_mask_map.shape[2])
+        rows = [torch.repeat_interleave(m, r, 0) for m, r in zip(block_mask_map, block_row_sz)]
+        self.token_mask = torch.stack([torch.repeat_interleave(m, c, 1) for m, c in zip(rows, block_col_sz)])
+
+    def run(self, q, k, v, return_lse=False):
+        scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~self.token_mask, -math.inf)
+        lse = torch.logsumexp(scores, -1)
+        out = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0) @ v.double()
+        return out.to(q.dtype), (lse / math.log(2.0)).float()
+
+
+def test_flashinfer_adapter_follows_the_documented_contract(monkeypatch):
+    fake = types.ModuleType("flashinfer")
+    fake.VariableBlockSparseAttentionWrapper = FakeVariableBlockSparseWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    bench = load("benchmarks/diffusion_loop.py")
+    from tessera_diffusers.processors import StepCache
+    from tessera_diffusers.processors.plan_cache import CacheSlot
+
+    from tessera_diffusers import reference
+    from tessera_diffusers.testing import random_mask
+
+    backend = bench.FlashInferBackend(torch.device("cpu"), workspace_mb=1)
+    backend.calibrate(torch.device("cpu"), torch.float32, 16)
+    assert math.isclose(backend.lse_scale, math.log(2.0))
+    mask = random_mask(1, 3, 200, 150, 32, 48, density=0.4)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 200, 3, 16, generator=gen)
+    k, v = torch.randn(2, 150, 3, 16, generator=gen), torch.randn(2, 150, 3, 16, generator=gen)
+    cache = StepCache()
+    slot = CacheSlot("k", mask, 0, "k")
+    out, lse = backend.attention(q, k, v, mask, slot=slot, cache=cache, return_lse=True)
+    want, want_lse = reference.attention(q, k, v, mask, return_lse=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    backend.attention(q, k, v, mask, slot=slot, cache=cache)
+    assert cache.stats.plan_builds == 1 and cache.stats.plan_reuses == 1
+
+
+def test_flex_adapter_equals_the_reference():
+    bench = load("benchmarks/diffusion_loop.py")
+    from tessera_diffusers.processors import StepCache
+    from tessera_diffusers.processors.plan_cache import CacheSlot
+
+    from tessera_diffusers import reference
+    from tessera_diffusers.testing import random_mask
+
+    backend = bench.FlexBackend(compiled=False)
+    mask = random_mask(1, 2, 200, 150, 32, 48, density=0.4)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 200, 2, 16, generator=gen)
+    k, v = torch.randn(1, 150, 2, 16, generator=gen), torch.randn(1, 150, 2, 16, generator=gen)
+    out, lse = backend.attention(q, k, v, mask, slot=CacheSlot("k", mask, 0, "k"), cache=StepCache(), return_lse=True)
+    want, want_lse = reference.attention(q, k, v, mask, return_lse=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    assert torch.all(~torch.isfinite(lse[~finite]))

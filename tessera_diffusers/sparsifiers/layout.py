@@ -185,6 +185,12 @@ def tile_layout(
 
 @lru_cache(maxsize=LAYOUT_CACHE_SIZE)
 def layout_tensors(layout: TileLayout, device: str) -> LayoutTensors:
+    # Cached across calls: never inference tensors, so later autograd-enabled calls can use them.
+    with torch.inference_mode(False):
+        return build_layout_tensors(layout, device)
+
+
+def build_layout_tensors(layout: TileLayout, device: str) -> LayoutTensors:
     if device != "cpu":
         host = layout_tensors(layout, "cpu")
         moved = {
@@ -236,6 +242,11 @@ def layout_tensors(layout: TileLayout, device: str) -> LayoutTensors:
 
 @lru_cache(maxsize=LAYOUT_CACHE_SIZE)
 def window_mask(layout: TileLayout, window: tuple[int, int, int], device: str) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return build_window_mask(layout, window, device)
+
+
+def build_window_mask(layout: TileLayout, window: tuple[int, int, int], device: str) -> torch.Tensor:
     coords = layout.tensors("cpu").tile_coords  # [nT, 3]
     keep = torch.ones(coords.shape[0], coords.shape[0], dtype=torch.bool)
     for axis, (n, w) in enumerate(zip(layout.tiles_per_axis, window)):
