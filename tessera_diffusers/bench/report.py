@@ -133,7 +133,7 @@ def speedup_table(speedups: dict, size: str) -> list[str]:
     return table(["baseline"] + families + ["nine-family GM", "paired-case GM", "win/tie/loss"], rows)
 
 
-def kernel_study(records: list[dict], summary: dict, size: str) -> list[str]:
+def kernel_study(summary: dict, size: str) -> list[str]:
     """Best single Tessera plan per family beside FlexAttention and dense FA2 (the issue-3 view)."""
     fams = summary["families"].get(size, {})
     rows = []
@@ -216,7 +216,7 @@ def markdown(env: dict, config: BenchConfig, records: list[dict], summary: dict,
             if any(size in v for v in by_baseline.values()):
                 title = f"### Speedup of `{target}` (baseline mean / {target} mean over paired cases; tie band {band})"
                 lines += [title, ""] + speedup_table(by_baseline, size) + [""]
-        study = kernel_study(records, summary, size)
+        study = kernel_study(summary, size)
         if study:
             lines += ["### Kernel study: best single Tessera plan per family", ""] + study + [""]
     regret = summary["regret"]
