@@ -318,34 +318,54 @@ class FlexBackend:
 
 
 class FlashInferBackend:
-    """FlashInfer's ``VariableBlockSparseAttentionWrapper`` (per-head masks), one wrapper planned per
-    mask; batch elements run one after another (masks must broadcast over the batch)."""
+    """FlashInfer's ``VariableBlockSparseAttentionWrapper`` (per-head masks, exact partial blocks),
+    one wrapper planned per mask; batch elements run one after another (masks must broadcast over
+    the batch).
+
+    FlashInfer sizes its plan buffers for LLM batches: before planning, the FA3 path's token-index
+    buffers are grown to the mask's gathered key count, and a plan that reports a too-small int
+    workspace is retried with a 4x larger one (a few times)."""
 
     name = "flashinfer"
+    max_workspace_growth = 3
 
-    def __init__(self, device: torch.device, workspace_mb: int = 256):
+    def __init__(self, device: torch.device, backend: str = "auto", workspace_mb: int = 256):
         import flashinfer
 
         self.wrapper_class = getattr(flashinfer, "VariableBlockSparseAttentionWrapper", None) or getattr(
             flashinfer.sparse, "VariableBlockSparseAttentionWrapper"
         )
+        self.backend = backend
         self.workspace = torch.empty(workspace_mb << 20, dtype=torch.uint8, device=device)
         self.lse_scale = 1.0
 
     def plan(self, mask: LogicalMask, heads: int, head_dim: int, dtype: torch.dtype):
         if mask.batch != 1:
             raise InvalidArgumentError("mask batch dim", "1 for the FlashInfer adapter", mask.batch)
-        wrapper = self.wrapper_class(self.workspace)
+        wrapper = self.wrapper_class(self.workspace, backend=self.backend)
         blocks = mask.blocks[0].expand(heads, -1, -1).contiguous()
         rows = mask.block_sizes_q().to(torch.int32).expand(heads, -1).contiguous()
         cols = mask.block_sizes_kv().to(torch.int32).expand(heads, -1).contiguous()
-        wrapper.plan(blocks, rows, cols, heads, heads, head_dim, q_data_type=dtype)
+        gathered = int((blocks.to(torch.float64) @ cols[0].to(torch.float64)).sum())  # key tokens listed
+        grow_buffer(wrapper, "_vector_sparse_indices_buffer", gathered + 1)
+        grow_buffer(wrapper, "_vector_sparse_indptr_buffer", heads * rows.shape[1] + 2)
+        for attempt in range(self.max_workspace_growth + 1):
+            try:
+                wrapper.plan(blocks, rows, cols, heads, heads, head_dim, q_data_type=dtype)
+                return wrapper
+            except RuntimeError as err:
+                text = str(err).lower()
+                if attempt == self.max_workspace_growth or ("workspace" not in text and "buffer" not in text):
+                    raise
+                current = wrapper._int_workspace_buffer
+                bigger = torch.empty(4 * current.numel(), dtype=current.dtype, device=current.device)
+                wrapper.reset_workspace_buffer(wrapper._float_workspace_buffer, bigger)
         return wrapper
 
     def run(self, wrapper, q, k, v):
         outs, lses = [], []
         for b in range(q.shape[0]):
-            out, lse = wrapper.run(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), return_lse=True)
+            out, lse = wrapper.run(*(t[b].transpose(0, 1).contiguous() for t in (q, k, v)), return_lse=True)
             outs.append(out.transpose(0, 1))
             lses.append(lse)
         return torch.stack(outs), torch.stack(lses).float()
@@ -364,6 +384,13 @@ class FlashInferBackend:
             return self.run(self.plan(mask, q.shape[2], head_dim, dtype), q, k, v)
 
         self.lse_scale = lse_scale_of(run, device, dtype, head_dim)
+
+
+def grow_buffer(owner, attribute: str, needed: int) -> None:
+    """Replace ``owner.<attribute>`` (a FlashInfer index buffer) by a larger one if it is too small."""
+    current = getattr(owner, attribute, None)
+    if isinstance(current, torch.Tensor) and current.numel() < needed:
+        setattr(owner, attribute, torch.empty(needed, dtype=current.dtype, device=current.device))
 
 
 # ============================================================================ the loop
@@ -433,7 +460,7 @@ def run_system(system: str, model, latents0, inputs, args, spec, device, dtype, 
         elif system == "flashinfer":
             if device.type != "cuda":
                 raise Unavailable("FlashInfer needs a CUDA device")
-            backend = FlashInferBackend(device)
+            backend = FlashInferBackend(device, backend=args.flashinfer_backend)
             backend.calibrate(device, dtype, head_dim)
         else:
             raise InvalidArgumentError("--systems", "dense, flex, flashinfer or tessera", system)

@@ -63,13 +63,16 @@ class FakeVariableBlockSparseWrapper:
     the CPU: ``plan(block_mask_map [H, MB, NB], block_row_sz [H, MB], block_col_sz [H, NB], ...)``,
     ``run(q [H, S, D], k, v, return_lse=True) -> (out [H, S, D], lse [H, S] in log2)``."""
 
-    def __init__(self, workspace):
+    def __init__(self, workspace, backend="auto"):
         self.workspace = workspace
+        self._vector_sparse_indices_buffer = torch.empty(4, dtype=torch.int32)  # grown by the adapter
 
     def plan(self, block_mask_map, block_row_sz, block_col_sz, num_qo_heads, num_kv_heads, head_dim, **kwargs):
         assert block_mask_map.dtype == torch.bool and block_mask_map.shape[0] == num_kv_heads
         assert block_row_sz.dtype == torch.int32 and block_row_sz.shape == block_mask_map.shape[:2]
         assert block_col_sz.dtype == torch.int32 and block_col_sz.shape == (num_kv_heads, block_mask_map.shape[2])
+        needed = int((block_mask_map.double() @ block_col_sz[0].double()).sum())
+        assert self._vector_sparse_indices_buffer.numel() > needed
         rows = [torch.repeat_interleave(m, r, 0) for m, r in zip(block_mask_map, block_row_sz)]
         self.token_mask = torch.stack([torch.repeat_interleave(m, c, 1) for m, c in zip(rows, block_col_sz)])
 
