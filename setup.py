@@ -9,7 +9,7 @@ Environment:
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc"))
@@ -31,12 +31,7 @@ class BuildWithNative(build_py):
 
 
 setup(
-    packages=[
-        "tessera_diffusers",
-        "tessera_diffusers.profile",
-        "tessera_diffusers.sparsifiers",
-        "tessera_diffusers.processors",
-    ],
+    packages=find_packages(include=["tessera_diffusers", "tessera_diffusers.*"]) + ["tessera_diffusers.processors"],
     package_dir={"tessera_diffusers.processors": "processors"},
     package_data={"tessera_diffusers": ["_native/*.so", "_native/*.json", "data/*.json"]},
     cmdclass={"build_py": BuildWithNative},

@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# One device call: environment, install (no network, no rebuild when the library is carried),
-# GPU tests, then the quick portable benchmark. Logs go to $OUT.
+# One device call: environment, install (no network; the native library and wheels are carried),
+# then the steps named on the command line, in order:
+#   tests      GPU tests (every catalog entry x family x layout x splits)
+#   sanitize   compute-sanitizer memcheck + racecheck on representative plans, SASS instruction counts
+#   quick      benchmarks/portable_quick.py (every portable plan on simple video masks)
+#   harness    tessera bench default subset (HARNESS_ARGS, HARNESS_TIMEOUT)
+#   kernels    benchmarks/kernels.py (KERNELS_ARGS, KERNELS_TIMEOUT)
+#   loop       benchmarks/diffusion_loop.py (LOOP_ARGS, LOOP_TIMEOUT)
+# Logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/tessera_out}
 mkdir -p "$OUT"
@@ -10,21 +17,40 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ ! -f tessera_diffusers/_native/libtessera_kernels.so ]; then
   MAX_JOBS=16 python3 csrc/build_native.py --archs "90" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
+if ls wheels/*.whl > /dev/null 2>&1; then
+  python3 -m pip install --no-deps --no-index wheels/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+fi
 TESSERA_CUDA_ARCHS=none python3 -m pip install --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
   || { echo "pip install failed; using PYTHONPATH"; export PYTHONPATH=$PWD; }
-STEP=${1:-all}
-if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
-  timeout 300 python3 -m pytest tests/test_native_gpu.py -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-fi
-if [ "$STEP" = all ] || [ "$STEP" = sanitize ]; then
-  for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/sanitize_check.py > "$OUT/sanitize_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
-  done
-  cuobjdump -sass tessera_diffusers/_native/libtessera_kernels.so 2>/dev/null > "$OUT/sass.txt"
-  echo "SASS: $(grep -c HMMA "$OUT/sass.txt") HMMA, $(grep -c LDSM "$OUT/sass.txt") LDSM, $(grep -c LDGSTS "$OUT/sass.txt") LDGSTS, $(grep -cE 'STL|LDL' "$OUT/sass.txt") local-memory ops"
-  gzip -f "$OUT/sass.txt"
-fi
-if [ "$STEP" = all ] || [ "$STEP" = bench ]; then
-  timeout 300 python3 benchmarks/portable_quick.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40
-fi
+
+for STEP in "${@:-tests}"; do
+  echo "=== $STEP ($(date +%T))"
+  case "$STEP" in
+    tests)
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/test_native_gpu.py -q -p no:cacheprovider ${PYTEST_ARGS:-} \
+        2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/sanitize_check.py > "$OUT/sanitize_$tool.log" 2>&1
+        echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+      done
+      cuobjdump -sass tessera_diffusers/_native/libtessera_kernels.so 2>/dev/null > "$OUT/sass.txt"
+      echo "SASS: $(grep -c HMMA "$OUT/sass.txt") HMMA, $(grep -c LDSM "$OUT/sass.txt") LDSM, $(grep -c LDGSTS "$OUT/sass.txt") LDGSTS, $(grep -cE 'STL|LDL' "$OUT/sass.txt") local-memory ops"
+      gzip -f "$OUT/sass.txt" ;;
+    quick)
+      timeout ${QUICK_TIMEOUT:-300} python3 benchmarks/portable_quick.py --out "$OUT" ${QUICK_ARGS:-} 2>&1 | tee "$OUT/quick.log" | tail -12 ;;
+    harness)
+      timeout ${HARNESS_TIMEOUT:-420} python3 -m tessera_diffusers.bench --out "$OUT/harness" --no-progress ${HARNESS_ARGS:-} \
+        2>&1 | tee "$OUT/harness.log" | tail -40
+      (cd "$OUT" && tar czf harness.tgz harness && rm -rf harness) ;;
+    kernels)
+      timeout ${KERNELS_TIMEOUT:-420} python3 benchmarks/kernels.py --out "$OUT/kernels" --no-progress ${KERNELS_ARGS:-} \
+        2>&1 | tee "$OUT/kernels.log" | tail -40
+      (cd "$OUT" && tar czf kernels.tgz kernels && rm -rf kernels) ;;
+    loop)
+      timeout ${LOOP_TIMEOUT:-420} python3 benchmarks/diffusion_loop.py --out "$OUT/loop" ${LOOP_ARGS:-} \
+        2>&1 | tee "$OUT/loop.log" | tail -30
+      (cd "$OUT" && tar czf loop.tgz loop && rm -rf loop) ;;
+    *) echo "unknown step $STEP" ;;
+  esac
+done
