@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 from dataclasses import dataclass
 from functools import cache
@@ -174,15 +173,17 @@ def sparse_attention_fwd(
     tile_slots: torch.Tensor,
     tile_member: torch.Tensor,
     q_order: torch.Tensor,
-    kernel_id: int,
+    kernel: str,
     config: list[int],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Functional op: returns (out ``[B, Sq, H, D]``, lse ``[B, H, Sq]`` fp32).
 
-    ``config = [num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, grid_size]``."""
+    ``kernel`` is a catalog kernel name; ``config = [num_q_tiles, capacity, slots, q_unit_log2,
+    kv_unit_log2, num_splits, persistent]`` (see ``PreparedPlan.launch_config``)."""
     batch, seq_q, heads, head_dim = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     num_splits = config[5]
     workspace = None
@@ -191,14 +192,14 @@ def sparse_attention_fwd(
             torch.empty(num_splits, batch, heads, seq_q, head_dim, dtype=torch.float32, device=q.device),
             torch.empty(num_splits, batch, heads, seq_q, dtype=torch.float32, device=q.device),
         )
-    launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel_id, config, scale, out, lse, workspace)
+    launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, out, lse, workspace)
     return out, lse
 
 
 @sparse_attention_fwd.register_fake
-def _(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel_id, config, scale):
+def _(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale):
     batch, seq_q, heads, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
 
 def launch(
@@ -209,17 +210,24 @@ def launch(
     tile_slots: torch.Tensor,
     tile_member: torch.Tensor,
     q_order: torch.Tensor,
-    kernel_id: int,
+    kernel: str,
     config: list[int],
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor | None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
-    """Launch the attention kernel (and the split-K merge) on the current stream; no sync, no allocation."""
+    """Launch the attention kernel (and the split-K merge) on the current stream; no sync, no
+    allocation. q, k, v must be 16-byte aligned (``aligned``); out/lse/workspace sized by the caller."""
     lib = load_library()
     batch, seq_q, heads, head_dim = q.shape
-    num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, grid_size = config
+    num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, persistent = config
+    kid = lib.kernel_ids.get(kernel)
+    if kid is None:
+        raise CatalogError(f"kernel {kernel} is not in the loaded library {lib.path}")
+    grid_size = 0
+    if persistent:
+        grid_size = ctas_per_sm(kid, q.device.index or 0) * torch.cuda.get_device_properties(q.device).multi_processor_count
     p = TesseraAttnParams()
     p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     p.lse = lse.data_ptr() if lse is not None else None
@@ -239,7 +247,7 @@ def launch(
         assert workspace is not None  # internal: callers size it from PreparedPlan.workspace()
         p.o_partial, p.lse_partial = workspace[0].data_ptr(), workspace[1].data_ptr()
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    lib.check(lib.handle.tessera_attention_forward(kernel_id, ctypes.byref(p), ctypes.c_void_p(stream)), "attention")
+    lib.check(lib.handle.tessera_attention_forward(kid, ctypes.byref(p), ctypes.c_void_p(stream)), "attention")
     if num_splits > 1:
         m = TesseraMergeParams()
         m.o_partial, m.lse_partial = workspace[0].data_ptr(), workspace[1].data_ptr()
@@ -251,35 +259,10 @@ def launch(
         lib.check(lib.handle.tessera_split_merge(ctypes.byref(m), ctypes.c_void_p(stream)), "split-K merge")
 
 
-def kernel_id(spec: KernelSpec) -> int:
-    ids = load_library().kernel_ids
-    if spec.name not in ids:
-        raise CatalogError(f"kernel {spec.name} is not in the loaded library {load_library().path}")
-    return ids[spec.name]
-
-
 @cache
 def ctas_per_sm(kernel: int, device_index: int) -> int:
     with torch.cuda.device(device_index):
         return max(1, load_library().handle.tessera_kernel_ctas_per_sm(kernel))
-
-
-def launch_config(prepared: PreparedPlan, q: torch.Tensor) -> list[int]:
-    plan = prepared.plan
-    grid = 0
-    if plan.tasks.persistent:
-        kid = kernel_id(plan.kernel)
-        props = torch.cuda.get_device_properties(q.device)
-        grid = ctas_per_sm(kid, q.device.index or 0) * props.multi_processor_count
-    return [
-        prepared.num_q_tiles,
-        prepared.capacity,
-        plan.slots_per_tile,
-        int(math.log2(plan.q_unit)),
-        int(math.log2(plan.kv_unit)),
-        plan.tasks.num_splits,
-        grid,
-    ]
 
 
 def run_native(
@@ -290,12 +273,11 @@ def run_native(
     scale: float,
     return_lse: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Run ``prepared`` with its native kernel (through the custom op)."""
+    """Run ``prepared`` with its native kernel (through the custom op; traceable by torch.compile)."""
     spec = prepared.plan.kernel
     if q.dtype != spec.torch_dtype or q.shape[-1] != spec.head_dim:
         raise InvalidArgumentError("q", f"dtype {spec.dtype} and head_dim {spec.head_dim} for {spec.name}",
                                    f"{q.dtype}, head_dim {q.shape[-1]}")
-    q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
     out, lse = torch.ops.tessera.sparse_attention_fwd(
         q,
         k,
@@ -304,8 +286,8 @@ def run_native(
         prepared.tile_slots,
         prepared.tile_member,
         prepared.q_order,
-        kernel_id(spec),
-        launch_config(prepared, q),
+        spec.name,
+        prepared.launch_config(),
         scale,
     )
     return (out, lse) if return_lse else out

@@ -26,7 +26,7 @@ Tensors (mask dims ``Bm, Hm`` are 1 where the mask broadcasts):
     run_starts   int32 [Bm, Hm, nQT, capR]      first token of each run
     run_lengths  int32 [Bm, Hm, nQT, capR]      tokens in each run (clipped at Skv)
 
-``cap = ceil(ceil(Skv / kv_unit) / S)``, ``capR = ceil(ceil(Skv / kv_unit) / 2)``. Tiles of a row are
+``cap`` is at most ``ceil(ceil(Skv / kv_unit) / S)`` (trimmed to the longest list by default), ``capR = ceil(ceil(Skv / kv_unit) / 2)``. Tiles of a row are
 in ascending token order. Tokens at or past ``Skv`` are masked by the kernel (partial last block);
 query rows at or past ``Sq`` are never stored. A query unit past ``Sq`` has no membership bits.
 
@@ -98,6 +98,19 @@ class PreparedPlan:
     def num_tasks(self, batch: int, heads: int) -> int:
         return self.num_q_tiles * batch * heads * self.plan.tasks.num_splits
 
+    def launch_config(self) -> list[int]:
+        """The integers a native launch needs besides the tensors (``ops.sparse_attention_fwd``)."""
+        plan = self.plan
+        return [
+            self.num_q_tiles,
+            self.capacity,
+            plan.slots_per_tile,
+            plan.q_unit.bit_length() - 1,
+            plan.kv_unit.bit_length() - 1,
+            plan.tasks.num_splits,
+            int(plan.tasks.persistent),
+        ]
+
     def computed_fraction(self) -> torch.Tensor:
         """Scheduled tile area over the full (Sq x Skv) grid, per mask (b, h): the work the plan
         pays for, including masked-out entries inside coarsened / packed tiles. ``[Bm, Hm]``."""
@@ -105,8 +118,12 @@ class PreparedPlan:
         return area / (self.mask.seq_len_q * self.mask.seq_len_kv)
 
 
-def prepare(plan: PhysicalPlan, state: MaskState) -> PreparedPlan:
-    """Build the metadata of ``plan`` for the mask of ``state`` (see the module docstring)."""
+def prepare(plan: PhysicalPlan, state: MaskState, compact: bool = True) -> PreparedPlan:
+    """Build the metadata of ``plan`` for the mask of ``state`` (see the module docstring).
+
+    ``compact`` trims ``cap`` to the longest tile list of any query tile, which costs one host sync
+    (a scalar) and shrinks the metadata by the inverse density; ``compact=False`` keeps the
+    worst-case capacity and never syncs (for capture in a CUDA graph)."""
     mask = state.mask
     if (plan.block_q, plan.block_kv) != (mask.block_q, mask.block_kv):
         raise InvalidArgumentError(
@@ -125,6 +142,9 @@ def prepare(plan: PhysicalPlan, state: MaskState) -> PreparedPlan:
         counts, slot_units = packed_tiles(tile_any, slots, cap)
     else:
         counts, slot_units = contiguous_tiles(tile_any, slots, cap)
+    if compact:
+        cap = max(1, int(counts.max()))
+        slot_units = slot_units[..., :cap, :]
     kv_unit = plan.kv_unit
     tile_slots = torch.where(slot_units >= 0, slot_units * kv_unit, slot_units).to(torch.int32)
     tile_member = membership_words(act, slot_units, kq, slots)
@@ -208,10 +228,12 @@ def membership_words(act: torch.Tensor, slot_units: torch.Tensor, kq: int, slots
     idx = slot_units.clamp_min(0).view(bm, hm, n_qt, 1, cap * slots).expand(bm, hm, n_qt, kq, cap * slots)
     bits = torch.gather(act, 4, idx) & (slot_units >= 0).view(bm, hm, n_qt, 1, cap * slots)
     bits = bits.view(bm, hm, n_qt, kq, cap, slots).permute(0, 1, 2, 4, 3, 5).reshape(bm, hm, n_qt, cap, kq * slots)
-    word = torch.zeros(bm, hm, n_qt, cap, dtype=torch.int64, device=act.device)
-    for bit in range(kq * slots):
-        word |= bits[..., bit].to(torch.int64) << bit
-    return word
+    # Bytes of the little-endian word, then the 8 bytes viewed as one int64: a handful of launches
+    # instead of one per bit, and no int64 overflow at bit 63.
+    bits = torch.nn.functional.pad(bits.to(torch.uint8), (0, MEMBERSHIP_BITS - kq * slots))
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=act.device)
+    word_bytes = (bits.view(bm, hm, n_qt, cap, 8, 8) * weights).sum(-1, dtype=torch.uint8)
+    return word_bytes.contiguous().view(torch.int64).view(bm, hm, n_qt, cap)
 
 
 def unit_runs(tile_any: torch.Tensor, kv_unit: int, seq_len_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

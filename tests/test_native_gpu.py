@@ -72,7 +72,7 @@ def test_poisoned_outputs_are_fully_written(splits):
     lse = torch.full((1, 2, 1000), float("nan"), device=device)
     workspace = prepared.workspace(1, 2, 128).allocate(device) if splits > 1 else None
     ops.launch(q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
-               ops.kernel_id(kernel), ops.launch_config(prepared, q), 1 / math.sqrt(128), out, lse, workspace)
+               kernel.name, prepared.launch_config(), 1 / math.sqrt(128), out, lse, workspace)
     torch.cuda.synchronize()
     assert not bool(out.isnan().any()) and not bool(lse.isnan().any())
     assert check_against_reference(out, lse, q, k, v, mask).ok()
