@@ -1,8 +1,9 @@
-"""The README's main job: Tessera's sparse attention inside a video diffusion model, in one command.
+"""The README's main job (``tessera demo``): Tessera's sparse attention inside a video diffusion
+model, in one command.
 
-    python examples/default_job.py                  # CUDA if present, else CPU
-    python examples/default_job.py --device cpu     # a tiny random Wan2.1 pipeline, ~10 s
-    python examples/default_job.py --device cuda    # one real-size Wan2.1-14B self-attention at 720p
+    tessera demo                  # CUDA if present, else CPU
+    tessera demo --device cpu     # a tiny random Wan2.1 pipeline, ~10 s
+    tessera demo --device cuda    # one real-size Wan2.1-14B self-attention at 720p
 
 CPU: a tiny Wan2.1 pipeline (random weights, built locally) denoises the same noise three times —
 with the stock processors, with ``TesseraProcessor`` and an all-active mask (must match the stock
@@ -20,11 +21,10 @@ import time
 import warnings
 
 import torch
-from tessera_diffusers.processors import TesseraProcessor
-from tessera_diffusers.processors.tiny import tiny_wan_pipeline, wan_prompt_inputs
-
-from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention, reference
-from tessera_diffusers.sparsifiers import (
+from . import LogicalMask, Runtime, block_sparse_attention, reference
+from .processors import TesseraProcessor
+from .processors.tiny import tiny_wan_pipeline, wan_prompt_inputs
+from .sparsifiers import (
     DenseWarmup,
     LatentGrid,
     SSTASparsifier,
@@ -166,8 +166,7 @@ def gpu_job(density: float = 0.10, iters: int = 5) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -175,14 +174,24 @@ def main(argv: list[str] | None = None) -> dict:
         help="auto: the real-size attention job when CUDA is available, else the tiny CPU job",
     )
     parser.add_argument("--steps", type=int, default=6, help="CPU job: denoising steps")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs a CUDA device")
-        return gpu_job()
-    return cpu_job(args.steps)
+        gpu_job()
+    else:
+        cpu_job(args.steps)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera demo", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -25,7 +25,9 @@ def load(relative: str):
 
 
 def test_default_job_cpu_summary():
-    summary = load("examples/default_job.py").main(["--device", "cpu", "--steps", "3"])
+    from tessera_diffusers.demo import cpu_job
+
+    summary = cpu_job(steps=3)
     assert summary["all_active_max_abs_diff_vs_stock"] < 1e-4
     assert 0.0 < summary["sparse_mean_mask_density"] < 1.0
     assert summary["dense_calls"] == 2 * 2 and summary["sparse_calls"] == 2 * 2 * 2
@@ -131,3 +133,10 @@ def test_flex_adapter_equals_the_reference():
     finite = torch.isfinite(want_lse)
     torch.testing.assert_close(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
     assert torch.all(~torch.isfinite(lse[~finite]))
+
+
+def test_tessera_demo_command_runs(capsys):
+    from tessera_diffusers.cli import main
+
+    assert main(["demo", "--device", "cpu", "--steps", "2"]) == 0
+    assert "all-active Tessera vs stock" in capsys.readouterr().out

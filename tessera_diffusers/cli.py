@@ -1,0 +1,100 @@
+"""``tessera`` command line: demo (the main job), bench, explain, build.
+
+    tessera demo                  # built-in default: Wan-style video attention through Tessera
+    tessera bench --out DIR       # benchmark harness (JSON + markdown + plots)
+    tessera explain --geometry Q64K64 --seq 32768 --heads 24
+    tessera build                 # (re)build the native kernel library in place
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_explain(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="show how a request would be planned (ranking, rejections, choice)")
+    p.add_argument("--geometry", default="Q64K64", help="Q{B_Q}K{B_KV}")
+    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--density", type=float, default=0.1)
+    p.add_argument("--arch", default=None, help="e.g. sm90; default: this machine's GPU, else sm90")
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    import torch
+
+    from .mask_state import build_mask_state
+    from .plans import Request
+    from .selector import rank
+    from .testing import random_mask
+
+    bq, bkv = (int(x) for x in args.geometry.upper().lstrip("Q").split("K"))
+    arch = args.arch
+    if arch is None:
+        arch = "sm{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else "sm90"
+    mask = random_mask(1, min(args.heads, 4), args.seq, args.seq, bq, bkv, density=args.density, empty_rows=False)
+    request = Request(1, args.heads, args.seq, args.seq, args.head_dim, args.dtype, bq, bkv, arch)
+    print(rank(request, build_mask_state(mask), assume_native=True).explain())
+    return 0
+
+
+def add_build(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build", help="build the native kernel library into the installed package")
+    p.add_argument("--archs", default=None, help='e.g. "80;90" (TESSERA_CUDA_ARCHS)')
+    p.add_argument("--only", default=None, help="regex over kernel names")
+    p.add_argument("--jobs", type=int, default=None)
+
+
+def run_build(args: argparse.Namespace) -> int:
+    import importlib.util
+    import os
+
+    from . import ops
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(os.path.dirname(here), "csrc", "build_native.py")
+    if not os.path.isfile(script):
+        print("tessera build needs a source checkout (csrc/build_native.py); reinstall from source instead")
+        return 1
+    spec = importlib.util.spec_from_file_location("tessera_build_native", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    lib = module.build_native_library(os.path.dirname(ops.library_path()), args.archs, args.only, args.jobs)
+    return 0 if lib else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="the built-in default job (tiny Wan model on CPU, real-size attention on GPU)")
+    from .demo import add_arguments as add_demo
+
+    add_demo(demo)
+
+    bench = sub.add_parser("bench", help="benchmark Tessera beside its baselines (JSON + markdown + plots)")
+    from .bench.cli import add_arguments as add_bench
+
+    add_bench(bench)
+    add_explain(sub)
+    add_build(sub)
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run as run_demo
+
+        return run_demo(args)
+    if args.command == "bench":
+        from .bench.cli import run as run_bench
+
+        return run_bench(args)
+    if args.command == "explain":
+        return run_explain(args)
+    return run_build(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
