@@ -7,6 +7,7 @@
 #   harness    tessera bench default subset (HARNESS_ARGS, HARNESS_TIMEOUT)
 #   kernels    benchmarks/kernels.py (KERNELS_ARGS, KERNELS_TIMEOUT)
 #   loop       benchmarks/diffusion_loop.py (LOOP_ARGS, LOOP_TIMEOUT)
+#   demo       tessera demo --device cuda (the README's main job on the GPU)
 # Logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/tessera_out}
@@ -51,6 +52,8 @@ for STEP in "${@:-tests}"; do
       timeout ${LOOP_TIMEOUT:-420} python3 benchmarks/diffusion_loop.py --out "$OUT/loop" ${LOOP_ARGS:-} \
         2>&1 | tee "$OUT/loop.log" | tail -30
       (cd "$OUT" && tar czf loop.tgz loop && rm -rf loop) ;;
+    demo)
+      timeout ${DEMO_TIMEOUT:-120} tessera demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v "it/s" | tail -8 ;;
     *) echo "unknown step $STEP" ;;
   esac
 done
