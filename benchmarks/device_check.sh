@@ -31,12 +31,12 @@ for STEP in "${@:-tests}"; do
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/test_native_gpu.py -q -p no:cacheprovider ${PYTEST_ARGS:-} \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in memcheck racecheck synccheck; do
         timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/sanitize_check.py > "$OUT/sanitize_$tool.log" 2>&1
         echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done
       cuobjdump -sass tessera_diffusers/_native/libtessera_kernels.so 2>/dev/null > "$OUT/sass.txt"
-      echo "SASS: $(grep -c HMMA "$OUT/sass.txt") HMMA, $(grep -c LDSM "$OUT/sass.txt") LDSM, $(grep -c LDGSTS "$OUT/sass.txt") LDGSTS, $(grep -cE 'STL|LDL' "$OUT/sass.txt") local-memory ops"
+      echo "SASS: $(grep -c HGMMA "$OUT/sass.txt") HGMMA, $(grep -c HMMA "$OUT/sass.txt") HMMA, $(grep -c LDSM "$OUT/sass.txt") LDSM, $(grep -c LDGSTS "$OUT/sass.txt") LDGSTS, $(grep -cE 'STL|LDL' "$OUT/sass.txt") local-memory ops"
       gzip -f "$OUT/sass.txt" ;;
     quick)
       timeout ${QUICK_TIMEOUT:-300} python3 benchmarks/portable_quick.py --out "$OUT" ${QUICK_ARGS:-} 2>&1 | tee "$OUT/quick.log" | tail -12 ;;

@@ -1,5 +1,6 @@
-"""A small run of representative native plans for compute-sanitizer (memcheck / racecheck):
-contiguous, packed, refined, split-K and persistent, with partial blocks and empty rows."""
+"""A small run of representative native plans for compute-sanitizer (memcheck / racecheck /
+synccheck): contiguous, packed, refined, split-K and persistent, partial blocks and empty rows; one
+case per Hopper template on sm90."""
 
 from __future__ import annotations
 
@@ -9,22 +10,32 @@ import sys
 import torch
 
 from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, ops, prepare
-from tessera_diffusers.catalog import portable_kernels
+from tessera_diffusers.catalog import all_kernels
 from tessera_diffusers.testing import check_against_reference, random_mask, random_qkv
+
+# (geometry, family, (tile_q, tile_kv, head_dim, dtype, stages, warps), layout, task organization)
+PORTABLE_CASES = [
+    ((16, 16), "portable", (64, 64, 128, "bf16", 2, 4), KvLayout.PACKED, TaskOrganization()),
+    ((64, 64), "portable", (128, 128, 128, "fp16", 3, 8), KvLayout.CONTIGUOUS, TaskOrganization(Traversal.LONGEST_FIRST, 3)),
+    ((384, 384), "portable", (128, 64, 64, "bf16", 2, 4), KvLayout.CONTIGUOUS, TaskOrganization(persistent=True)),
+    ((32, 16), "portable", (64, 128, 64, "fp16", 3, 4), KvLayout.PACKED, TaskOrganization(Traversal.ROW_MAJOR, 2)),
+]
+HOPPER_CASES = [
+    ((128, 128), "hopper", (128, 128, 128, "bf16", 2, 8), KvLayout.CONTIGUOUS, TaskOrganization(Traversal.LONGEST_FIRST, 3)),
+    ((16, 16), "hopper", (64, 128, 128, "fp16", 2, 4), KvLayout.PACKED, TaskOrganization()),
+    ((384, 384), "hopper", (128, 64, 64, "bf16", 2, 8), KvLayout.CONTIGUOUS, TaskOrganization(persistent=True)),
+]
 
 
 def main() -> int:
     device = torch.device("cuda")
-    cases = [
-        ((16, 16), (64, 64, 128, "bf16", 2, 4), KvLayout.PACKED, TaskOrganization()),
-        ((64, 64), (128, 128, 128, "fp16", 3, 8), KvLayout.CONTIGUOUS, TaskOrganization(Traversal.LONGEST_FIRST, 3)),
-        ((384, 384), (128, 64, 64, "bf16", 2, 4), KvLayout.CONTIGUOUS, TaskOrganization(persistent=True)),
-        ((32, 16), (64, 128, 64, "fp16", 3, 4), KvLayout.PACKED, TaskOrganization(Traversal.ROW_MAJOR, 2)),
-    ]
-    kernels = {(k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps): k for k in portable_kernels()}
+    cases = PORTABLE_CASES + (HOPPER_CASES if torch.cuda.get_device_capability() == (9, 0) else [])
+    built = ops.load_library().kernel_ids
+    kernels = {(k.family.value, (k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps)): k
+               for k in all_kernels() if k.name in built}
     failures = 0
-    for (bq, bkv), key, layout, org in cases:
-        kernel = kernels[key]
+    for (bq, bkv), family, key, layout, org in cases:
+        kernel = kernels[(family, key)]
         seq_q, seq_kv = 3 * bq + 19, 4 * bkv - 3
         mask = random_mask(1, 2, seq_q, seq_kv, bq, bkv, density=0.4, seed=bq, device=device)
         q, k, v = random_qkv(1, seq_q, seq_kv, 2, kernel.head_dim, kernel.torch_dtype, device, seed=bq)

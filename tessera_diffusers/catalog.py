@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from functools import cache
 
-from .kernel_table import KernelRow, portable_rows
+from .kernel_table import KernelRow, all_rows, hopper_rows, portable_rows
 from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, TaskOrganization, Traversal
 
 
@@ -32,6 +32,18 @@ def kernel_spec_from_row(row: KernelRow) -> KernelSpec:
 def portable_kernels() -> tuple[KernelSpec, ...]:
     """Every portable kernel variant, in the kernel table's order (the generated C++ follows it)."""
     return tuple(kernel_spec_from_row(row) for row in portable_rows())
+
+
+@cache
+def hopper_kernels() -> tuple[KernelSpec, ...]:
+    """Every Hopper (sm90a, wgmma) kernel variant, in the kernel table's order."""
+    return tuple(kernel_spec_from_row(row) for row in hopper_rows())
+
+
+@cache
+def all_kernels() -> tuple[KernelSpec, ...]:
+    """Every kernel of the table (what a full sm80 + sm90a build contains)."""
+    return tuple(kernel_spec_from_row(row) for row in all_rows())
 
 
 def reference_kernel(head_dim: int, dtype: str, tile_q: int = 64, tile_kv: int = 64) -> KernelSpec:

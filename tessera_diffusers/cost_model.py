@@ -13,15 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .mask_state import Stat
-from .plans import Family, KvLayout, PhysicalPlan, Request
+from .plans import AxisMapping, Family, KvLayout, PhysicalPlan, Request
 
 
 @dataclass(frozen=True)
 class DeviceRates:
     """Effective rates of one GPU (measured dense numbers, not datasheet peaks)."""
 
-    tflops_portable: float = 300.0  # mma.sync flash kernel, best tile
-    tflops_hopper: float = 620.0  # wgmma flash kernel, large tiles
+    rate_scale: float = 1.0  # this GPU's dense rate over the H200's (the tile tables are H200 numbers)
     bandwidth_gbs: float = 4300.0
     tile_overhead_us: float = 0.02  # per KV tile step of one CTA (latency of a small tile)
     num_sms: int = 132
@@ -30,24 +29,25 @@ class DeviceRates:
 H200 = DeviceRates()
 
 
-# Throughput on the computed (scheduled) area of portable kernels by (tile_q, tile_kv, warps), TFLOP/s,
-# measured on one H200 (bf16, D=128, N=32768, H=24, ~10% video-like masks; benchmarks/portable_quick.py).
+# Throughput on the computed (scheduled) area of unmasked tiles by family and (tile_q, tile_kv, warps),
+# TFLOP/s, measured on one H200 (bf16, D=128, N=32768, H=24, ~10% corpus masks; benchmarks/results/).
 # A profiled plan table replaces these rankings; other GPUs scale them by their dense rate.
-PORTABLE_TILE_TFLOPS = {
-    (128, 64, 4): 300.0,
-    (128, 64, 8): 280.0,
-    (128, 128, 8): 285.0,
-    (64, 64, 4): 245.0,
-    (64, 128, 4): 215.0,
+TILE_TFLOPS = {
+    Family.PORTABLE: {(128, 64, 4): 310.0, (128, 64, 8): 280.0, (128, 128, 8): 288.0, (64, 64, 4): 245.0,
+                      (64, 128, 4): 215.0},
+    Family.HOPPER: {(128, 128, 8): 334.0, (128, 64, 8): 277.0, (64, 128, 4): 224.0},
 }
+# Slowdown of tiles that need membership masking (coarsened / packed / regridded), same measurements.
+MASKED_TILE_SLOWDOWN = {Family.PORTABLE: 1.2, Family.HOPPER: 1.7}
 
 
-def tile_efficiency(tile_q: int, tile_kv: int, warps: int = 4) -> float:
-    """Fraction of the large-tile rate a tile shape reaches (smaller tiles reuse operands less)."""
-    measured = PORTABLE_TILE_TFLOPS.get((tile_q, tile_kv, warps))
+def tile_rate(family: Family, tile_q: int, tile_kv: int, warps: int) -> float:
+    """Measured TFLOP/s of one tile shape; unmeasured shapes scale the family's best by tile area."""
+    table = TILE_TFLOPS.get(family, TILE_TFLOPS[Family.PORTABLE])
+    measured = table.get((tile_q, tile_kv, warps))
     if measured is not None:
-        return measured / max(PORTABLE_TILE_TFLOPS.values())
-    return min(1.0, (tile_q * tile_kv / (128 * 128)) ** 0.25)
+        return measured
+    return max(table.values()) * min(1.0, (tile_q * tile_kv / (128 * 128)) ** 0.25)
 
 
 def coarsening_waste(block: int, tile: int, mean_run: float) -> float:
@@ -73,8 +73,10 @@ def estimate_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rates
     if plan.kv_layout is KvLayout.PACKED:
         kv_waste = 1.0  # gathered tiles are full up to the last one of each row
     computed = area * q_waste * kv_waste
-    rate = rates.tflops_hopper if plan.kernel.family is Family.HOPPER else rates.tflops_portable
-    rate *= tile_efficiency(plan.tile_q, plan.tile_kv, plan.kernel.warps)
+    rate = tile_rate(plan.kernel.family, plan.tile_q, plan.tile_kv, plan.kernel.warps) * rates.rate_scale
+    masked = {plan.q_mapping, plan.kv_mapping} & {AxisMapping.COARSENED, AxisMapping.PACKED, AxisMapping.REGRIDDED}
+    if masked:
+        rate /= MASKED_TILE_SLOWDOWN.get(plan.kernel.family, 1.2)
     math_ms = 4.0 * req.head_dim * computed / (rate * 1e12) * 1e3
 
     tiles = computed / (plan.tile_q * plan.tile_kv)

@@ -49,6 +49,15 @@ def kernel_name(family: str, tile_q: int, tile_kv: int, head_dim: int, dtype: st
     return f"{family}_t{tile_q}x{tile_kv}_d{head_dim}_{dtype}_s{stages}_w{warps}_{arch}"
 
 
+# Tiles of the Hopper (sm90a, wgmma) family: one consumer warpgroup per 64 query rows.
+HOPPER_TILES: tuple[TileConfig, ...] = (
+    TileConfig(128, 128, 8),
+    TileConfig(128, 64, 8),
+    TileConfig(64, 128, 4),
+)
+HOPPER_STAGES: tuple[int, ...] = (2,)
+
+
 def portable_rows() -> tuple[KernelRow, ...]:
     """Every portable variant in a fixed order."""
     return tuple(
@@ -60,5 +69,16 @@ def portable_rows() -> tuple[KernelRow, ...]:
     )
 
 
+def hopper_rows() -> tuple[KernelRow, ...]:
+    """Every Hopper variant in a fixed order (built only for sm90a targets)."""
+    return tuple(
+        KernelRow("hopper", t.tile_q, t.tile_kv, d, dt, st, t.warps, "sm90a")
+        for d in HEAD_DIMS
+        for dt in DTYPES
+        for t in HOPPER_TILES
+        for st in HOPPER_STAGES
+    )
+
+
 def all_rows() -> tuple[KernelRow, ...]:
-    return portable_rows()
+    return portable_rows() + hopper_rows()

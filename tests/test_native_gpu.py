@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, prepare
-from tessera_diffusers.catalog import portable_kernels
+from tessera_diffusers.catalog import all_kernels, portable_kernels
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.plans import Request
 from tessera_diffusers.testing import TEST_GEOMETRIES, check_against_reference, random_mask, random_qkv
 
 pytestmark = pytest.mark.gpu
 
-KERNELS = portable_kernels()
+KERNELS = portable_kernels()  # the fixed kernels of the targeted tests below
 SPLITS = (1, 3)
 
 
@@ -33,20 +33,24 @@ def device_request(q, k, mask, plan) -> Request:
                    mask.block_q, mask.block_kv, f"sm{major}{minor}", True)
 
 
-@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", all_kernels(), ids=lambda k: k.name)
 def test_every_entry_on_every_family(kernel):
     from tessera_diffusers import ops
 
+    if kernel.name not in ops.load_library().kernel_ids:
+        pytest.skip(f"{kernel.name} is not in this build of the library")
     device = torch.device("cuda")
     dtype = kernel.torch_dtype
-    failures, checked = [], 0
+    failures, checked, skipped = [], 0, None
     for gi, (bq, bkv) in enumerate(TEST_GEOMETRIES):
         seq_q, seq_kv = 7 * bq + bq // 2 + 3, 9 * bkv - 5  # partial last blocks on both axes
         mask = random_mask(2, 3, seq_q, seq_kv, bq, bkv, density=0.35, seed=gi, device=device)
         q, k, v = random_qkv(2, seq_q, seq_kv, 3, kernel.head_dim, dtype, device, seed=gi)
         state = build_mask_state(mask)
         for plan in plans_to_check(kernel, bq, bkv):
-            if rejection(plan, device_request(q, k, mask, plan)) is not None:
+            reason = rejection(plan, device_request(q, k, mask, plan))
+            if reason is not None:
+                skipped = reason
                 continue
             prepared = prepare(plan, state)
             out, lse = ops.run_native(prepared, q, k, v, 1.0 / math.sqrt(kernel.head_dim), True)
@@ -54,7 +58,8 @@ def test_every_entry_on_every_family(kernel):
             checked += 1
             if not acc.ok():
                 failures.append(f"{plan.name}: {acc}")
-    assert checked > 0
+    if checked == 0:
+        pytest.skip(f"no plan of {kernel.name} is eligible on this device ({skipped})")
     assert not failures, "\n".join(failures)
 
 

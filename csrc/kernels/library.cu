@@ -3,15 +3,14 @@
 
 #include "tessera/merge.cuh"
 #include "tessera/params.h"
-#include "tessera/portable/attention.cuh"
 #include "registry.inc"  // generated: declarations + TESSERA_KERNEL_ENTRIES
 
 namespace {
 
 struct KernelEntry {
   const char* name;
-  int smem_bytes;
-  int threads;
+  int (*smem_bytes)();
+  int (*threads)();
   int (*launch)(const TesseraAttnParams&, cudaStream_t);
   int (*ctas_per_sm)();
 };
@@ -28,8 +27,8 @@ extern "C" {
 int tessera_abi_version(void) { return TESSERA_ABI_VERSION; }
 int tessera_num_kernels(void) { return kNumEntries; }
 const char* tessera_kernel_name(int id) { return valid_id(id) ? kEntries[id].name : nullptr; }
-int tessera_kernel_smem_bytes(int id) { return valid_id(id) ? kEntries[id].smem_bytes : -1; }
-int tessera_kernel_threads(int id) { return valid_id(id) ? kEntries[id].threads : -1; }
+int tessera_kernel_smem_bytes(int id) { return valid_id(id) ? kEntries[id].smem_bytes() : -1; }
+int tessera_kernel_threads(int id) { return valid_id(id) ? kEntries[id].threads() : -1; }
 int tessera_kernel_ctas_per_sm(int id) { return valid_id(id) ? kEntries[id].ctas_per_sm() : -1; }
 
 int tessera_attention_forward(int id, const TesseraAttnParams* params, void* stream) {

@@ -1,0 +1,58 @@
+// Compile-time shape of one Hopper (sm90a) kernel variant: tiles, warpgroups, wgmma tiled MMAs and
+// the 128-byte-swizzled shared-memory layouts they read. Every shape assumption is checked here.
+#pragma once
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace tessera::hopper {
+
+using namespace cute;
+
+template <int kTileQ_, int kTileKV_, int kHeadDim_, int kStages_, typename Element_>
+struct Traits {
+  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  static constexpr int kTileQ = kTileQ_;
+  static constexpr int kTileKV = kTileKV_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kWarpgroups = kTileQ / 64;  // one warpgroup per 64 query rows (wgmma M = 64)
+  static constexpr int kThreads = kWarpgroups * 128;
+  static constexpr int kChunkElems = 16 / int(sizeof(Element));
+  static constexpr int kChunksPerRow = kHeadDim / kChunkElems;
+  static constexpr int kMaxSlots = kTileKV / 16;
+
+  // S = Q K^T: A (Q) and B (K) from shared memory, both K-major (head dim contiguous).
+  using MmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<64>, Int<kTileKV>, Int<kHeadDim>>>(),
+      Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
+  // O += P V: A (P) from registers, B (V) from shared memory with the head dim contiguous (MN-major).
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<64>, Int<kHeadDim>, Int<kTileKV>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
+
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 elements, 128B swizzle
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kTileQ>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kTileKV>, Int<kHeadDim>, Int<kStages>>{}));
+  // V seen as (head dim, key, stage) for the PV product: the same bytes, transposed coordinates.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kTileKV>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  static constexpr int kSmemQBytes = kTileQ * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemKVBytes = kTileKV * kHeadDim * kStages * int(sizeof(Element));
+  static constexpr int kSmemBytes = kSmemQBytes + 2 * kSmemKVBytes + 1024;  // + alignment slack
+
+  static_assert(kTileQ % 64 == 0 && kWarpgroups <= 2, "64 or 128 query rows (one or two consumer warpgroups)");
+  static_assert(kTileKV == 64 || kTileKV == 128, "KV tile 64 or 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+  static_assert(kStages >= 2 && kStages <= 4, "pipeline depth 2-4");
+  static_assert((kTileKV * kChunksPerRow) % kThreads == 0, "K/V tile loads split evenly over threads");
+  static_assert((kTileQ * kChunksPerRow) % kThreads == 0, "Q tile loads split evenly over threads");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA fits an H100/H200 SM");
+  static_assert(size(typename MmaQK::AtomLayoutC_TV{}) > 0, "wgmma atom selected");
+};
+
+}  // namespace tessera::hopper
