@@ -13,6 +13,9 @@ recognised per call and layers numbered by first call; the latent grid must then
 (``latent_grid=``), otherwise the video is treated as one row of tokens (1-D blocks, with a
 warning). ``attach`` is the documented way: it knows the grid, step and guidance branch of every
 forward (see ``context.py``).
+
+Multi-GPU: with diffusers' ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))``
+(before or after ``attach``) the processor runs Ulysses itself; see ``tessera_diffusers.parallel``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnP
 
 from tessera_diffusers.errors import InvalidArgumentError, MaskError
 from tessera_diffusers.mask import LogicalMask
+from tessera_diffusers.parallel import Ulysses, ulysses_processor_call
 from tessera_diffusers.sparsifiers.base import LatentGrid
 from tessera_diffusers.sparsifiers.layout import TileLayout
 from tessera_diffusers.sparsifiers.ssta import ssta_384
@@ -70,7 +74,6 @@ class TesseraProcessor:
     """
 
     _attention_backend = None  # set by diffusers' ``set_attention_backend``; used for dense calls
-    _parallel_config = None
 
     def __init__(
         self,
@@ -107,6 +110,8 @@ class TesseraProcessor:
         self.masks_computed = 0
         self.unattached_forwards = -1  # forward counter without the hook (call-order fallback)
         self.warned: set[str] = set()
+        self._parallel = None  # diffusers' ParallelConfig (context parallelism), see ``_parallel_config``
+        self.ulysses: Ulysses | None = None
 
     # ------------------------------------------------------------------ installation
     def attach(self, transformer: torch.nn.Module) -> TesseraProcessor:
@@ -142,6 +147,8 @@ class TesseraProcessor:
         transformer.set_attn_processor(self)
         registry.register_hook(TesseraHook(self, model, patch_size_of(transformer)), HOOK_NAME)
         self.models.append(transformer)
+        if getattr(transformer, "_parallel_config", None) is not None:  # enable_parallelism ran before attach
+            self._parallel_config = transformer._parallel_config
         return self
 
     def detach(self, transformer: torch.nn.Module) -> None:
@@ -156,9 +163,29 @@ class TesseraProcessor:
             originals[name] = self.stock.get(module) or self.stock_processor_for(module)
             self.routes.pop(module, None)
             self.stock.pop(module, None)
+        parallel = getattr(transformer, "_parallel_config", None)
+        if parallel is not None and parallel.context_parallel_config is not None:
+            for original in originals.values():  # as enable_parallelism would have handed it to them
+                if hasattr(original, "_parallel_config"):
+                    original._parallel_config = parallel
         transformer.set_attn_processor(originals)
         HookRegistry.check_if_exists_or_initialize(transformer).remove_hook(HOOK_NAME, recurse=False)
         self.models = [m for m in self.models if m is not transformer]
+
+    # ------------------------------------------------------------------ context parallelism
+    @property
+    def _parallel_config(self):
+        """diffusers' ``ParallelConfig``, handed to every attention processor by
+        ``enable_parallelism``; with context parallelism the processor runs Ulysses itself
+        (``tessera_diffusers.parallel``). Ring attention is refused here, at ``enable_parallelism``."""
+        return self._parallel
+
+    @_parallel_config.setter
+    def _parallel_config(self, config) -> None:
+        if config is self._parallel:
+            return
+        self.ulysses = Ulysses.from_parallel_config(config)
+        self._parallel = config
 
     # ------------------------------------------------------------------ forward context (hook)
     def begin_forward(self, context: ForwardContext) -> None:
@@ -204,6 +231,8 @@ class TesseraProcessor:
                 attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb
             )
         call = self.context_for(route, hidden_states.shape[1])
+        if self.ulysses is not None:  # context parallelism: tessera_diffusers.parallel
+            return ulysses_processor_call(self, attn, hidden_states, rotary_emb, route, call)
         if route.route is Route.WAN_SELF:
             return wan_self_attention(self, attn, hidden_states, rotary_emb, route, call)
         return hunyuan_video15_joint_attention(
@@ -309,6 +338,8 @@ class TesseraProcessor:
         slot = self.cache.kept_mask(key, call.step, signature)
         if slot is None:
             mask = self.sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
+            if mask is not None and self.ulysses is not None:  # q holds this rank's heads only
+                mask = self.ulysses.local_mask(mask, q.shape[2] * self.ulysses.degree)
             if mask is not None:
                 check_video_mask(mask, q, layout)
                 self.record_density(mask)

@@ -1,0 +1,249 @@
+"""Worker process of the two-process context-parallel tests (``tests/test_parallel.py``); no tests here.
+
+    python tests/test_parallel_worker.py --rank R --world 2 --init tcp://127.0.0.1:PORT --out DIR [--cases raw,wan]
+
+Every rank joins a gloo group on the loopback address, computes the single-process result itself
+(no process group involved) and the context-parallel one, and writes ``DIR/rank<R>.json`` (one
+section per case) with the errors and counters the test asserts on. Errors are the max absolute difference against
+the single-process output (the rank's chunk of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def chunk(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
+    return x.chunk(world, dim)[rank]
+
+
+# --------------------------------------------------------------------------- (a) the raw function
+def case_raw(rank: int, world: int) -> dict:
+    from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention
+    from tessera_diffusers.parallel import Ulysses, ulysses_attention
+    from tessera_diffusers.testing import random_mask
+
+    ulysses = Ulysses()
+    gen = torch.Generator().manual_seed(0)
+    batch, seq, heads, dim = 2, 200, 4, 16  # 200 tokens: partial last block of 32 and 48
+    q, k, v = (torch.randn(batch, seq, heads, dim, generator=gen) for _ in range(3))
+    masks = {  # seeded: the same masks on every rank; with empty rows and partial last blocks
+        "per_head": random_mask(batch, heads, seq, seq, 32, 48, density=0.4, seed=1),
+        "broadcast_heads": random_mask(batch, 1, seq, seq, 32, 32, density=0.3, seed=2),
+        "per_head_batch1": random_mask(1, heads, seq, seq, 48, 32, density=0.5, seed=3),
+    }
+    report: dict = {"rank": rank, "ulysses": repr(ulysses)}
+    runtime = Runtime()
+    mine = (chunk(q, rank, world), chunk(k, rank, world), chunk(v, rank, world))
+    for name, mask in masks.items():
+        ref_out, ref_lse = block_sparse_attention(q, k, v, mask, return_lse=True)
+        out, lse = ulysses_attention(*mine, mask, ulysses, return_lse=True, runtime=runtime)
+        finite = torch.isfinite(chunk(ref_lse, rank, world, 2))
+        report[name] = {
+            "out_shape": list(out.shape),
+            "lse_shape": list(lse.shape),
+            "out_err": max_err(out, chunk(ref_out, rank, world)),
+            "lse_err": max_err(lse[finite], chunk(ref_lse, rank, world, 2)[finite]),
+            "lse_inf_match": bool(torch.equal(torch.isfinite(lse), finite)),
+        }
+    # This rank's heads given directly, and the plan of a sliced mask reused on a repeat call.
+    start, stop = ulysses.head_range(heads)
+    mask = masks["per_head"]
+    local = LogicalMask(mask.blocks[:, start:stop].contiguous(), 32, 48, seq, seq)
+    out_local = ulysses_attention(*mine, local, ulysses)
+    report["local_heads_err"] = max_err(out_local, chunk(block_sparse_attention(q, k, v, mask), rank, world))
+    repeat = Runtime()
+    ulysses_attention(*mine, mask, ulysses, runtime=repeat)
+    ulysses_attention(*mine, mask, ulysses, runtime=repeat)
+    report["repeat_hits"], report["repeat_misses"] = repeat.hits, repeat.misses
+    report["slice_is_memoized"] = ulysses.local_mask(mask, heads) is ulysses.local_mask(mask, heads)
+    # All-to-all round trip and a mask with the wrong head count.
+    x = torch.randn(batch, seq // world, heads, dim, generator=torch.Generator().manual_seed(10 + rank))
+    report["round_trip_exact"] = bool(torch.equal(ulysses.gather_heads(ulysses.scatter_heads(x)[0]), x))
+    try:
+        ulysses.local_mask(random_mask(1, 3, seq, seq, 32, 32, seed=4), heads)
+        report["wrong_heads_error"] = None
+    except Exception as err:  # noqa: BLE001 - the test checks the type and message
+        report["wrong_heads_error"] = f"{type(err).__name__}: {err}"
+    return report
+
+
+# --------------------------------------------------------------------------- (b) the tiny Wan transformer
+def wan_inputs(seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(1, 4, 2, 16, 16, generator=gen),  # grid 2 x 8 x 8 = 128 tokens
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 12, 16, generator=gen),
+    }
+
+
+def per_head_mask(heads: int, seed: int):
+    """A static per-head mask over the 2 x 8 x 8 grid in (1, 4, 4) tile order (blocks of 16)."""
+    from tessera_diffusers import LogicalMask
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.rand(1, heads, 8, 8, generator=gen) < 0.4
+    blocks |= torch.eye(8, dtype=torch.bool)  # no empty row
+    return LogicalMask(blocks, 16, 16, 128, 128)
+
+
+def sparsifiers(heads: int) -> dict:
+    from tessera_diffusers.sparsifiers import DenseWarmup, SSTASparsifier, StaticSparsifier
+
+    ssta = SSTASparsifier(tile=(1, 4, 4), window=(1, 1, 1), top_k=3)
+    return {
+        "static_per_head": StaticSparsifier(per_head_mask(heads, seed=3), tile=(1, 4, 4)),
+        "ssta": ssta,
+        "warmup_then_ssta": DenseWarmup(ssta, steps=1),
+    }
+
+
+def forwards(model, steps: int) -> list[torch.Tensor]:
+    inputs = wan_inputs()
+    with torch.no_grad():
+        return [model(**inputs, return_dict=False)[0] for _ in range(steps)]
+
+
+def case_wan(rank: int, world: int) -> dict:
+    import diffusers.utils.logging as diffusers_logging
+    from diffusers import ContextParallelConfig
+    from tessera_diffusers.processors import TesseraProcessor
+    from tessera_diffusers.processors.tiny import tiny_wan_transformer
+
+    diffusers_logging.set_verbosity_error()
+    heads, steps = 2, 2
+    report: dict = {"rank": rank}
+    dense = forwards(tiny_wan_transformer(), 1)[0]  # stock processors, one process
+    for order in ("attach_first", "parallel_first"):
+        for name, sparsifier in sparsifiers(heads).items():
+            single = tiny_wan_transformer()
+            single_processor = TesseraProcessor(sparsifier).attach(single)
+            expected = forwards(single, steps)
+
+            model = tiny_wan_transformer()
+            config = ContextParallelConfig(ulysses_degree=world)
+            if order == "attach_first":
+                processor = TesseraProcessor(sparsifier).attach(model)
+                model.enable_parallelism(config=config)
+            else:
+                model.enable_parallelism(config=config)
+                processor = TesseraProcessor(sparsifier).attach(model)
+            got = forwards(model, steps)
+            stats, single_stats = processor.stats(), single_processor.stats()
+            report[f"{order}/{name}"] = {
+                "errs": [max_err(a, b) for a, b in zip(got, expected)],
+                "vs_dense": [max_err(a, dense) for a in got],  # sparse steps must differ from dense
+                "out_shape": list(got[0].shape),
+                "ulysses": repr(processor.ulysses),
+                "sparse_calls": [stats["sparse_calls"], single_stats["sparse_calls"]],
+                "dense_calls": [stats["dense_calls"], single_stats["dense_calls"]],
+                "plan_builds": [stats["cache"]["plan_builds"], single_stats["cache"]["plan_builds"]],
+                "plan_reuses": [stats["cache"]["plan_reuses"], single_stats["cache"]["plan_reuses"]],
+            }
+    # The stock processors under the same context parallelism agree as well (diffusers' own Ulysses).
+    stock = tiny_wan_transformer()
+    stock.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    report["stock_cp_err"] = max_err(forwards(stock, 1)[0], dense)
+    # Detached after enable_parallelism: the stock processors get diffusers' Ulysses back.
+    detached = tiny_wan_transformer()
+    processor = TesseraProcessor(sparsifiers(heads)["ssta"]).attach(detached)
+    detached.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    forwards(detached, 1)
+    processor.detach(detached)
+    report["detached_err"] = max_err(forwards(detached, 1)[0], dense)
+    return report
+
+
+# --------------------------------------------------------------------------- refusals
+def case_refusals(rank: int, world: int) -> dict:
+    import diffusers.utils.logging as diffusers_logging
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+    from tessera_diffusers.processors import TesseraProcessor
+    from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
+
+    from tessera_diffusers.sparsifiers import all_active
+
+    diffusers_logging.set_verbosity_error()
+    report: dict = {"rank": rank}
+
+    def error_of(fn) -> str | None:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - the test checks the type and message
+            return f"{type(err).__name__}: {err}"
+        return None
+
+    model = tiny_wan_transformer()
+    TesseraProcessor(all_active((1, 4, 4))).attach(model)
+    report["ring"] = error_of(lambda: model.enable_parallelism(config=ContextParallelConfig(ring_degree=world)))
+
+    hv15 = tiny_hunyuan_video15_transformer()
+    TesseraProcessor(all_active((1, 4, 4))).attach(hv15)
+    plan = {
+        "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
+    hv15.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world), cp_plan=plan)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 2, 8, 8, generator=gen),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": torch.randn(1, 6, 16, generator=gen),
+        "encoder_attention_mask": torch.ones(1, 6),
+        "encoder_hidden_states_2": torch.randn(1, 4, 8, generator=gen),
+        "encoder_attention_mask_2": torch.ones(1, 4),
+        "image_embeds": torch.zeros(1, 3, 12),
+    }
+    with torch.no_grad():
+        report["hv15"] = error_of(lambda: hv15(**inputs))
+    return report
+
+
+CASES = {"raw": case_raw, "wan": case_wan, "refusals": case_refusals}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--init", required=True, help="tcp://127.0.0.1:PORT")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {sorted(CASES)}")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    # diffusers derives the device as rank % torch.accelerator.device_count(), which is 0 on a
+    # CPU-only torch (ZeroDivisionError); one "device" per process is what it means here.
+    torch.accelerator.device_count = lambda: 1
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=args.init, rank=args.rank, world_size=args.world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        report = {case: CASES[case](args.rank, args.world) for case in args.cases.split(",")}
+        (args.out / f"rank{args.rank}.json").write_text(json.dumps(report, indent=1))
+        return 0
+    except Exception:  # noqa: BLE001 - the traceback goes to stderr for the test to show
+        traceback.print_exc()
+        return 1
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
