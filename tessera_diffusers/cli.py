@@ -1,8 +1,9 @@
-"""``tessera`` command line: demo (the main job), bench, explain, build.
+"""``tessera`` command line: demo (the main job), bench, explain, profile, build.
 
     tessera demo                  # built-in default: Wan-style video attention through Tessera
     tessera bench --out DIR       # benchmark harness (JSON + markdown + plots)
     tessera explain --geometry Q64K64 --seq 32768 --heads 24
+    tessera profile --out DIR --minutes 8   # profile the catalog, build the plan table (resumable)
     tessera build                 # (re)build the native kernel library in place
 """
 
@@ -21,14 +22,18 @@ def add_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--density", type=float, default=0.1)
     p.add_argument("--arch", default=None, help="e.g. sm90; default: this machine's GPU, else sm90")
+    p.add_argument("--table", default=None,
+                   help="a plan table file (default: the shipped table of the architecture, else the cost model)")
+    p.add_argument("--no-table", action="store_true", help="rank with the cost model only")
 
 
 def run_explain(args: argparse.Namespace) -> int:
     import torch
 
     from .mask_state import build_mask_state
+    from .plan_table import load_plan_table
     from .plans import Request
-    from .selector import rank
+    from .selector import AUTO, rank
     from .testing import random_mask
 
     bq, bkv = (int(x) for x in args.geometry.upper().lstrip("Q").split("K"))
@@ -37,7 +42,8 @@ def run_explain(args: argparse.Namespace) -> int:
         arch = "sm{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else "sm90"
     mask = random_mask(1, min(args.heads, 4), args.seq, args.seq, bq, bkv, density=args.density, empty_rows=False)
     request = Request(1, args.heads, args.seq, args.seq, args.head_dim, args.dtype, bq, bkv, arch)
-    print(rank(request, build_mask_state(mask), assume_native=True).explain())
+    table = None if args.no_table else (load_plan_table(args.table) if args.table else AUTO)
+    print(rank(request, build_mask_state(mask), assume_native=True, table=table).explain())
     return 0
 
 
@@ -80,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench(bench)
     add_explain(sub)
+    profile = sub.add_parser("profile", help="profile every catalog plan on the corpus and build the plan table")
+    from .profile.cli import add_arguments as add_profile
+
+    add_profile(profile)
     add_build(sub)
 
     args = parser.parse_args(argv)
@@ -93,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(args)
     if args.command == "explain":
         return run_explain(args)
+    if args.command == "profile":
+        from .profile.cli import run as run_profile
+
+        return run_profile(args)
     return run_build(args)
 
 

@@ -18,6 +18,7 @@ from .mask import LogicalMask
 from .mask_state import MaskState, build_mask_state
 from .plans import DTYPE_NAMES, Family, PhysicalPlan, Request
 from .prepare import PreparedPlan, prepare
+from .selector import Selection, Selector
 from .validation import check_inputs
 
 
@@ -66,13 +67,16 @@ class Runtime:
     """Prepared-plan cache and selection front end (one per pipeline or processor).
 
     An exact repeat of a request — the same mask object and the same shapes — skips selection and
-    preparation. Entries die with their mask object."""
+    preparation. Entries die with their mask object. A new mask goes through ``selector`` (plan
+    table regime lookup, or the cost model), whose own cache skips the ranking scan for a regime it
+    has seen."""
 
     max_entries: int = 256
     _cache: dict = field(default_factory=dict, repr=False)
     warned: set = field(default_factory=set, repr=False)
     hits: int = 0
     misses: int = 0
+    selector: Selector = field(default_factory=Selector)
 
     def prepared_for(self, mask: LogicalMask, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
         """The cached or newly prepared plan for ``(mask, request)``; None means the reference oracle."""
@@ -92,9 +96,7 @@ class Runtime:
     def plan_request(self, state: MaskState, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
         if plan is not None:
             return prepare(plan, state)
-        from .selector import select  # selection needs the catalog only when no plan is forced
-
-        chosen = select(request, state, warn=self._warn_once)
+        chosen = self.selector.select(request, state, warn=self._warn_once)
         return None if chosen is None else prepare(chosen, state)
 
     def _warn_once(self, message: str) -> None:
@@ -124,6 +126,29 @@ class Runtime:
 
     def clear(self) -> None:
         self._cache.clear()
+
+    # -- explain (issue 6): how a request would be planned ----------------------------------------
+
+    def explain(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: LogicalMask,
+        *,
+        return_lse: bool = False,
+        file=None,
+    ) -> Selection:
+        """Print (to ``file``, default stdout) and return how ``attention(q, k, v, mask)`` would be
+        planned: the regime, its ranking, every rejected plan with its reason, and the chosen plan.
+        ``q [B, Sq, H, D]``, ``k, v [B, Skv, H, D]``. Prepares and runs nothing."""
+        import sys
+
+        check_inputs(q, k, v, mask, None)
+        selection = self.selector.rank(make_request(q, k, mask, return_lse), build_mask_state(mask),
+                                       warn=self._warn_once)
+        print(selection.explain(), file=file or sys.stdout)
+        return selection
 
 
 def block_sparse_attention(

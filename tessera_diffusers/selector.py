@@ -1,20 +1,44 @@
 """The only place that decides which plan runs a request.
 
-Today: rank the catalog's plans for the request key with the analytic cost model and take the
-first eligible one. The profiled plan table (regime lookup) slots in front of the cost model.
+    selector = Selector()                         # one per Runtime; its caches are its own
+    plan = selector.select(request, state)        # a PhysicalPlan, or None for the reference oracle
+    print(selector.rank(request, state).explain())
+
+Order of decision:
+
+1. The plan table of the request's architecture (the shipped one, ``$TESSERA_PLAN_TABLE``, or one
+   given to the Selector): key -> bucket -> regime, a tree over mask statistics that reads the small
+   stats tensor once, and only when it has splits -> the regime's ranking, scanned with eligibility;
+   the first eligible plan wins. A bucket the table lacks gives the key's base plan.
+2. Otherwise (no table, key not profiled, table rejected, every ranked plan ineligible) the analytic
+   roofline cost model ranks every eligible catalog plan.
+3. No eligible native plan: None, the reference oracle (warned once on CUDA).
+
+A table that is corrupt or built against another catalog is never used: the Selector warns once
+with the ``PlanTableError`` message and ranks with the cost model.
+
+Caches: per request, its table lookup and its eligible catalog plans; per (request, regime), the
+Selection — so a new mask in a regime already seen skips the ranking scan. Exact repeats (the same
+mask object) never reach the Selector: ``Runtime`` reuses their prepared plan.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .catalog import plans_for, portable_kernels
 from .cost_model import estimate_ms
 from .eligibility import rejection
-from .errors import CatalogError
+from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
-from .plans import PhysicalPlan, Request
+from .plan_table import PlanTable, RankedPlan, Regime, RegimeTree, default_table
+from .plans import KernelSpec, PhysicalPlan, Request
+
+AUTO = "auto"  # Selector.table: the shipped table of each request's architecture
+Warn = Callable[[str], None]
+EVERY_PLAN_REJECTED = object()  # cached for a regime whose whole ranking is ineligible for a request
 
 
 @dataclass(frozen=True)
@@ -22,18 +46,246 @@ class Selection:
     """What the selector decided and why (for ``explain``)."""
 
     request: Request
-    ranking: tuple[tuple[str, float], ...]  # (plan name, predicted ms), best first
+    ranking: tuple[tuple[str, float | None], ...]  # (plan name, ms), best first
     rejected: tuple[tuple[str, str], ...]  # (plan name, reason)
     chosen: PhysicalPlan | None
+    source: str = "cost model"  # "plan table" | "cost model"
+    regime: Regime | None = None
+    notes: tuple[str, ...] = ()
 
-    def explain(self) -> str:
-        lines = [f"request  {self.request.name}", "ranking (cost model, predicted ms):"]
-        lines += [f"  {ms:9.3f}  {name}" for name, ms in self.ranking[:10]]
+    def explain(self, limit: int = 12) -> str:
+        lines = [f"request  {self.request.name}", f"source   {self.source}"]
+        if self.regime is not None:
+            lines.append(f"regime   {self.regime.name}: {self.regime.rule} ({self.regime.cases} profiled cases)")
+        lines += [f"note     {note}" for note in self.notes]
+        unit = "geometric-mean ms over the regime's cases" if self.source == "plan table" else "predicted ms"
+        lines.append(f"ranking ({unit}):")
+        for name, ms in self.ranking[:limit]:
+            lines.append(f"  {'      -  ' if ms is None else f'{ms:9.3f}'}  {name}")
+        if len(self.ranking) > limit:
+            lines.append(f"  ... {len(self.ranking) - limit} more")
         if self.rejected:
             lines.append(f"rejected ({len(self.rejected)}):")
-            lines += [f"  {name}: {why}" for name, why in self.rejected[:10]]
+            lines += [f"  {name}: {why}" for name, why in self.rejected[:limit]]
+            if len(self.rejected) > limit:
+                lines.append(f"  ... {len(self.rejected) - limit} more")
         lines.append(f"chosen   {self.chosen.name if self.chosen else 'reference oracle'}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ArchContext:
+    """What a Selector resolved once per architecture: the runnable catalog and the usable table."""
+
+    kernels: tuple[KernelSpec, ...]
+    kernels_note: str | None  # why there are no native kernels
+    table: PlanTable | None
+    table_note: str | None  # why a table exists but is not used
+
+
+@dataclass
+class RequestEntry:
+    """Per-request cache: the regimes its table bucket offers and the Selections made so far."""
+
+    regimes: tuple[Regime, ...]  # empty: the cost model ranks
+    tree: RegimeTree | None  # None: one regime, no statistic needed
+    stats_needed: bool
+    plans: dict  # plan name -> PhysicalPlan (the table's)
+    notes: tuple[str, ...]
+    by_regime: dict = field(default_factory=dict)  # regime index -> Selection (or EVERY_PLAN_REJECTED)
+    eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
+    rejected: tuple[tuple[str, str], ...] = ()
+
+
+def discover_kernels(arch: str) -> tuple[tuple[KernelSpec, ...], str | None]:
+    """The native kernels a request of ``arch`` can run, or none and why."""
+    if arch == "cpu":
+        return (), "CPU tensors run on the reference path"
+    from . import ops  # the native library is loaded on first native use only
+
+    try:
+        return ops.available_kernels(), None
+    except CatalogError as err:
+        return (), f"native kernels unavailable ({err})"
+
+
+@dataclass
+class Selector:
+    """Plan selection with explicit caches (one per ``Runtime``).
+
+    Args:
+        table: ``"auto"`` (the shipped table of each request's architecture, or ``$TESSERA_PLAN_TABLE``),
+            a ``PlanTable`` (used for requests of its architecture), or None (cost model only).
+        kernels: the native catalog to rank; None discovers the loaded library's kernels (none on CPU).
+        max_requests: distinct requests kept in the cache (oldest dropped first).
+    """
+
+    table: PlanTable | str | None = AUTO
+    kernels: tuple[KernelSpec, ...] | None = None
+    max_requests: int = 1024
+    _arch: dict = field(default_factory=dict, repr=False)
+    _requests: dict = field(default_factory=dict, repr=False)
+    regime_hits: int = 0  # selections answered from the (request, regime) cache
+    scans: int = 0  # ranking scans done
+
+    # -- the online path -------------------------------------------------------------------------
+
+    def select(self, request: Request, state: MaskState, warn: Warn | None = None) -> PhysicalPlan | None:
+        """The plan to run ``request`` with, or None for the reference oracle (warned on CUDA)."""
+        selection = self.selection(request, state, warn)
+        if selection.chosen is None and request.arch != "cpu" and warn is not None:
+            reasons = "; ".join(selection.notes[-1:] + tuple(f"{n}: {r}" for n, r in selection.rejected[:3]))
+            warn(f"tessera: no native plan for {request.key}, using the reference path ({reasons})")
+        return selection.chosen
+
+    def selection(self, request: Request, state: MaskState, warn: Warn | None = None) -> Selection:
+        """The cached fast path: regime lookup, then the first eligible plan of its ranking."""
+        entry = self._requests.get(request)
+        if entry is None:
+            entry = self._entry(request, warn)
+        if entry.regimes:
+            index = entry.tree.regime_of(state.stats.tolist()) if entry.stats_needed else 0
+            cached = entry.by_regime.get(index)
+            if cached is None:
+                cached = self._scan(entry, index, request, full=False) or EVERY_PLAN_REJECTED
+                entry.by_regime[index] = cached
+            else:
+                self.regime_hits += 1
+            if cached is not EVERY_PLAN_REJECTED:
+                return cached
+        return self._cost_model(entry, request, state, full=False)
+
+    def rank(self, request: Request, state: MaskState, warn: Warn | None = None) -> Selection:
+        """The full decision for ``explain``: every ranked plan checked, every rejection kept."""
+        entry = self._requests.get(request) or self._entry(request, warn)
+        if entry.regimes:
+            index = entry.tree.regime_of(state.stats.tolist()) if entry.stats_needed else 0
+            selection = self._scan(entry, index, request, full=True)
+            if selection is not None:
+                return selection
+        return self._cost_model(entry, request, state, full=True)
+
+    def clear(self) -> None:
+        self._requests.clear()
+        self._arch.clear()
+
+    # -- resolution (once per architecture / request) ----------------------------------------------
+
+    def context(self, arch: str, warn: Warn | None = None) -> ArchContext:
+        """Kernels and table of ``arch`` (resolved once; a rejected table is warned about once)."""
+        ctx = self._arch.get(arch)
+        if ctx is not None:
+            return ctx
+        if arch == "cpu":
+            kernels, kernels_note = (), "CPU tensors run on the reference path"
+        elif self.kernels is not None:
+            kernels, kernels_note = self.kernels, None
+        else:
+            kernels, kernels_note = discover_kernels(arch)
+        table, table_note = self._table_for(arch, kernels, kernels_note)
+        if table_note is not None:
+            (warn or warn_user)(f"tessera: {table_note}")
+        ctx = ArchContext(kernels, kernels_note, table, table_note)
+        self._arch[arch] = ctx
+        return ctx
+
+    def _table_for(self, arch: str, kernels: tuple[KernelSpec, ...],
+                   kernels_note: str | None) -> tuple[PlanTable | None, str | None]:
+        if self.table is None:
+            return None, None
+        if isinstance(self.table, PlanTable):
+            table = self.table if self.table.arch == arch else None
+        elif self.table == AUTO:
+            found = default_table(arch)
+            if found.error is not None:
+                return None, f"{PlanTableError.__name__}: {found.error}; ranking with the cost model instead"
+            table = found.table
+        else:
+            raise PlanTableError(f"Selector.table: expected a PlanTable, {AUTO!r} or None, got {self.table!r}")
+        if table is None:
+            return None, None
+        if not kernels and arch != "cpu":
+            return None, None  # no native kernels at all: nothing to rank, and kernels_note says why
+        mismatch = table.catalog_mismatch(kernels)
+        if mismatch is not None:
+            return None, f"{PlanTableError.__name__}: {mismatch}; ranking with the cost model instead"
+        return table, None
+
+    def _entry(self, request: Request, warn: Warn | None) -> RequestEntry:
+        ctx = self.context(request.arch, warn)
+        notes: list[str] = []
+        if ctx.table_note:
+            notes.append("plan table rejected (see the warning): cost model")
+        regimes: tuple[Regime, ...] = ()
+        tree = None
+        plans: dict = {}
+        if ctx.table is not None:
+            found = ctx.table.lookup(request)
+            notes.append(f"{ctx.table.name}: {found.note}")
+            plans = dict(ctx.table.plans)
+            if found.bucket is not None:
+                regimes = found.bucket.regimes
+                tree = found.bucket.tree if len(found.bucket.tree.nodes) > 1 else None
+            elif found.key_table is not None and found.key_table.base_plan is not None:
+                base = found.key_table.base_plan
+                label = ctx.table.features.buckets.label(ctx.table.features.buckets.of(request))
+                regimes = (Regime(request.key, label, 0, "bucket not profiled: the key's base plan", 0,
+                                  (RankedPlan(base, None),)),)
+        elif ctx.kernels_note:
+            notes.append(ctx.kernels_note)
+        entry = RequestEntry(regimes, tree, tree is not None and bool(tree.stats_used), plans, tuple(notes))
+        if len(self._requests) >= self.max_requests:
+            self._requests.pop(next(iter(self._requests)))
+        self._requests[request] = entry
+        return entry
+
+    # -- the two rankings ------------------------------------------------------------------------
+
+    def _scan(self, entry: RequestEntry, index: int, request: Request, full: bool) -> Selection | None:
+        """First eligible plan of regime ``index`` (None when every ranked plan is rejected)."""
+        self.scans += 1
+        regime = entry.regimes[index]
+        rejected, chosen = [], None
+        for ranked in regime.ranking:
+            plan = entry.plans[ranked.plan]
+            reason = rejection(plan, request)
+            if reason is not None:
+                rejected.append((ranked.plan, reason))
+            elif chosen is None:
+                chosen = plan
+                if not full:
+                    break
+        if chosen is None:
+            return None
+        ranking = tuple((r.plan, r.gm_ms) for r in regime.ranking)
+        return Selection(request, ranking, tuple(rejected), chosen, "plan table", regime, entry.notes)
+
+    def _cost_model(self, entry: RequestEntry, request: Request, state: MaskState, full: bool) -> Selection:
+        """Every eligible catalog plan ranked by predicted latency (stats read from the device)."""
+        notes = entry.notes
+        if entry.regimes:
+            notes = notes + ("every plan of the regime's ranking was rejected: cost model",)
+        if entry.eligible is None:
+            kernels = self.context(request.arch).kernels
+            eligible, rejected = [], []
+            for plan in plans_for(request.block_q, request.block_kv, kernels) if kernels else ():
+                reason = rejection(plan, request)
+                if reason is None:
+                    eligible.append(plan)
+                else:
+                    rejected.append((plan.name, reason))
+            entry.eligible, entry.rejected = tuple(eligible), tuple(rejected)
+        if not entry.eligible:
+            rejected = entry.rejected or (("native", notes[-1] if notes else "no plans"),)
+            return Selection(request, (), rejected, None, "cost model", None, notes)
+        stats = state.host_stats()
+        scored = sorted(((estimate_ms(p, request, stats), p) for p in entry.eligible), key=lambda item: item[0])
+        return Selection(request, tuple((p.name, ms) for ms, p in scored), entry.rejected, scored[0][1],
+                         "cost model", None, notes)
+
+
+def warn_user(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
 
 
 def native_candidates(request: Request, assume_native: bool = False) -> tuple[list[PhysicalPlan], str | None]:
@@ -43,38 +295,19 @@ def native_candidates(request: Request, assume_native: bool = False) -> tuple[li
         return [], "CPU tensors run on the reference path"
     if assume_native:
         return plans_for(request.block_q, request.block_kv, portable_kernels()), None
-    from . import ops
-
-    try:
-        kernels = ops.available_kernels()
-    except CatalogError as err:
-        return [], f"native kernels unavailable ({err})"
+    kernels, why_none = discover_kernels(request.arch)
+    if not kernels:
+        return [], why_none
     return plans_for(request.block_q, request.block_kv, kernels), None
 
 
-def rank(request: Request, state: MaskState, assume_native: bool = False) -> Selection:
-    """Rank every candidate plan of ``request`` with the cost model; eligibility reasons kept."""
-    candidates, why_none = native_candidates(request, assume_native)
-    if not candidates:
-        return Selection(request, (), (("native", why_none or "no plans"),), None)
-    stats = state.host_stats()
-    rejected, scored = [], []
-    for plan in candidates:
-        reason = rejection(plan, request)
-        if reason is not None:
-            rejected.append((plan.name, reason))
-        else:
-            scored.append((estimate_ms(plan, request, stats), plan))
-    scored.sort(key=lambda item: item[0])
-    chosen = scored[0][1] if scored else None
-    return Selection(request, tuple((p.name, ms) for ms, p in scored), tuple(rejected), chosen)
+def rank(request: Request, state: MaskState, assume_native: bool = False,
+         table: PlanTable | str | None = AUTO) -> Selection:
+    """The full decision for one request with a fresh Selector (``assume_native``: rank the whole
+    kernel table, to explain plans on a machine without the native library)."""
+    return Selector(table=table, kernels=portable_kernels() if assume_native else None).rank(request, state)
 
 
-def select(request: Request, state: MaskState, warn: Callable[[str], None] | None = None) -> PhysicalPlan | None:
-    """The plan to run ``request`` with, or None for the reference oracle (with a one-time warning
-    on CUDA, where the oracle is slow)."""
-    selection = rank(request, state)
-    if selection.chosen is None and request.arch != "cpu" and warn is not None:
-        reasons = "; ".join(f"{n}: {r}" for n, r in selection.rejected[:3])
-        warn(f"tessera: no native plan for {request.key}, using the reference path ({reasons})")
-    return selection.chosen
+def select(request: Request, state: MaskState, warn: Warn | None = None) -> PhysicalPlan | None:
+    """The plan for one request with a fresh Selector (a ``Runtime`` keeps one instead)."""
+    return Selector().select(request, state, warn)

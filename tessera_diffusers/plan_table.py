@@ -1,0 +1,490 @@
+"""The plan table: a versioned, per-architecture artifact that maps a request to a ranked plan list.
+
+Built offline by ``tessera profile`` (``profile/compile.py``) from measured latencies ``L[case, plan]``
+and shipped as package data (``data/plan_table_<arch>.json``). Lookup has three stages:
+
+    request key   ``Request.key``: arch / geometry / head dim / dtype / layout   (exact match)
+    bucket        (batch x heads, longer sequence length) cut at the schema's edges  (exact match)
+    regime        a decision tree over mask statistics (``Stat``), plain thresholds  (one leaf)
+
+Each leaf (a *performance regime*) holds plans ranked by geometric-mean latency over its profiled
+cases, ending with the key's *base plan* (valid on every profiled case of the key). A bucket the
+profiler never saw gives the base plan alone; a key it never saw gives nothing (the selector then
+ranks with the cost model).
+
+File format (JSON, no pickles)::
+
+    {"format": "tessera-plan-table", "schema_version": 1, "sha256": <hex of the canonical body>,
+     "table": {
+       "arch": "sm90",
+       "catalog": {"hash": <catalog.catalog_hash>, "kernels": [<KernelSpec dict>, ...]},
+       "features": {"stats": ["density", ...], "buckets": {"batch_heads": [8, ...], "seq_len": [4096, ...]}},
+       "plans": {<plan name>: <PhysicalPlan dict>, ...},
+       "keys": {<request key>: {"base_plan": <name or null>, "cases": n,
+                 "buckets": {"<i>,<j>": {"cases": n, "depth": d,
+                     "tree": [{"stat": "density", "le": 0.07, "left": 1, "right": 2}, {"regime": 0}, ...],
+                     "regimes": [{"rule": "density <= 0.07", "cases": n, "ranking": [[<plan>, <gm ms>], ...]}]}}}},
+       "provenance": {...}}}
+
+A tree node with ``"stat"`` sends a mask whose statistic is ``<= le`` to ``left``, else to ``right``;
+node 0 is the root and children always come after their parent. The loader checks all of it (and the
+checksum) and raises ``PlanTableError`` with what is wrong; it never guesses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from .catalog import catalog_hash
+from .errors import PlanTableError
+from .mask_state import Stat
+from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization, Traversal
+
+FORMAT = "tessera-plan-table"
+SCHEMA_VERSION = 1
+# Environment variable naming a table file to use instead of the shipped one of its architecture.
+TABLE_ENV = "TESSERA_PLAN_TABLE"
+STAT_NAMES: tuple[str, ...] = tuple(s.name.lower() for s in Stat)
+
+
+# -- feature schema ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Buckets:
+    """Request-dimension buckets: inclusive upper bounds of every bucket but the last, per dim.
+
+    ``batch_heads`` buckets ``batch * heads``; ``seq_len`` buckets ``max(seq_len_q, seq_len_kv)``."""
+
+    batch_heads: tuple[int, ...] = (8, 16, 32, 64)
+    seq_len: tuple[int, ...] = (4096, 16384, 40960, 81920)
+
+    def of(self, request: Request) -> tuple[int, int]:
+        """Bucket indices ``(i_batch_heads, i_seq_len)`` of ``request``."""
+        return (bisect_left(self.batch_heads, request.batch * request.heads),
+                bisect_left(self.seq_len, max(request.seq_len_q, request.seq_len_kv)))
+
+    def label(self, bucket: tuple[int, int]) -> str:
+        """``"bh17-32/s16385-40960"`` for humans (explain, reports)."""
+        return f"bh{span(self.batch_heads, bucket[0])}/s{span(self.seq_len, bucket[1])}"
+
+    def to_dict(self) -> dict:
+        return {"batch_heads": list(self.batch_heads), "seq_len": list(self.seq_len)}
+
+
+def span(edges: tuple[int, ...], index: int) -> str:
+    lo = 1 if index == 0 else edges[index - 1] + 1
+    return f"{lo}+" if index >= len(edges) else f"{lo}-{edges[index]}"
+
+
+@dataclass(frozen=True)
+class FeatureSchema:
+    """What a table's lookups read: the bucket edges and the mask statistics its trees may test."""
+
+    stats: tuple[str, ...] = STAT_NAMES
+    buckets: Buckets = Buckets()
+
+    def to_dict(self) -> dict:
+        return {"stats": list(self.stats), "buckets": self.buckets.to_dict()}
+
+
+# -- trees and regimes ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TreeNode:
+    """A split (``stat >= 0``: go ``left`` when ``stats[stat] <= threshold``) or a leaf (``regime``)."""
+
+    stat: int = -1  # index into the Stat vector; -1 for a leaf
+    threshold: float = 0.0
+    left: int = -1
+    right: int = -1
+    regime: int = -1
+
+
+@dataclass(frozen=True)
+class RegimeTree:
+    """Second-stage boundaries of one bucket, as plain thresholds; ``nodes[0]`` is the root."""
+
+    nodes: tuple[TreeNode, ...]
+
+    @property
+    def stats_used(self) -> tuple[int, ...]:
+        """Stat indices the tree tests (empty for a single regime: no statistic needed)."""
+        return tuple(sorted({n.stat for n in self.nodes if n.stat >= 0}))
+
+    def regime_of(self, stats: Sequence[float]) -> int:
+        """Regime index of a mask with statistics ``stats`` (indexed by ``Stat``)."""
+        node = self.nodes[0]
+        while node.stat >= 0:
+            node = self.nodes[node.left if stats[node.stat] <= node.threshold else node.right]
+        return node.regime
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    plan: str
+    gm_ms: float | None  # geometric-mean kernel latency over the regime's profiled cases
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A leaf of a bucket's tree: where one ranking of plans holds."""
+
+    key: str
+    bucket: str  # bucket label
+    index: int
+    rule: str  # the path's conditions, e.g. "density <= 0.07 and run_coverage > 0.4"
+    cases: int  # profiled cases it was ranked on
+    ranking: tuple[RankedPlan, ...]  # best first; the last one is the key's base plan
+
+    @property
+    def name(self) -> str:
+        return f"{self.key}|{self.bucket}|r{self.index}"
+
+
+@dataclass(frozen=True)
+class BucketTable:
+    """One bucket of one key: its tree and regimes."""
+
+    key: str
+    bucket: tuple[int, int]
+    label: str
+    cases: int
+    depth: int
+    tree: RegimeTree
+    regimes: tuple[Regime, ...]
+
+
+@dataclass(frozen=True)
+class KeyTable:
+    """All buckets of one request key, and the base plan that ends every ranking."""
+
+    key: str
+    base_plan: str | None
+    cases: int
+    buckets: Mapping[tuple[int, int], BucketTable]
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Where a request landed: a bucket with a tree, the key's base plan only, or nothing."""
+
+    key_table: KeyTable | None
+    bucket: BucketTable | None
+    note: str  # what happened, for explain ("regime lookup", "bucket bh.. not profiled: base plan", ...)
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlanTable:
+    """A validated plan table of one architecture (build with ``from_dict`` / ``load_plan_table``)."""
+
+    arch: str
+    catalog_hash: str
+    kernels: tuple[KernelSpec, ...]
+    features: FeatureSchema
+    plans: Mapping[str, PhysicalPlan]
+    keys: Mapping[str, KeyTable]
+    provenance: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def name(self) -> str:
+        return f"plan_table_{self.arch}@{self.catalog_hash}"
+
+    def lookup(self, request: Request) -> Lookup:
+        """The key table and bucket of ``request`` (no mask statistics needed yet)."""
+        key_table = self.keys.get(request.key)
+        if key_table is None:
+            return Lookup(None, None, f"key {request.key} not profiled")
+        bucket = self.features.buckets.of(request)
+        table = key_table.buckets.get(bucket)
+        if table is None:
+            label = self.features.buckets.label(bucket)
+            return Lookup(key_table, None, f"bucket {label} not profiled for {request.key}: base plan")
+        return Lookup(key_table, table, "regime lookup")
+
+    def catalog_mismatch(self, kernels: tuple[KernelSpec, ...]) -> str | None:
+        """Why this table cannot rank plans over ``kernels`` (the loaded catalog), or None."""
+        have = catalog_hash(kernels)
+        if have == self.catalog_hash:
+            return None
+        return (f"plan table {self.name} was built against catalog {self.catalog_hash} "
+                f"({len(self.kernels)} kernels), the loaded catalog is {have} ({len(kernels)} kernels); "
+                "re-profile with `tessera profile` or rebuild the matching kernels")
+
+    def to_dict(self) -> dict:
+        """The artifact (with format, schema version and checksum), ready for ``json.dump``."""
+        body = {
+            "arch": self.arch,
+            "catalog": {"hash": self.catalog_hash, "kernels": [kernel_to_dict(k) for k in self.kernels]},
+            "features": self.features.to_dict(),
+            "plans": {name: plan_to_dict(p) for name, p in sorted(self.plans.items())},
+            "keys": {key: key_table_to_dict(kt) for key, kt in sorted(self.keys.items())},
+            "provenance": dict(self.provenance),
+        }
+        return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "sha256": body_digest(body), "table": body}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan table") -> PlanTable:
+        """Validate and build a table from its artifact dict. Raises ``PlanTableError``."""
+        return parse_table(data, source)
+
+
+def body_digest(body: dict) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# -- serialization of plans ----------------------------------------------------------------------
+
+def kernel_to_dict(k: KernelSpec) -> dict:
+    return {"family": k.family.value, "tile_q": k.tile_q, "tile_kv": k.tile_kv, "head_dim": k.head_dim,
+            "dtype": k.dtype, "stages": k.stages, "arch": k.arch, "warps": k.warps}
+
+
+def kernel_from_dict(d: Mapping) -> KernelSpec:
+    return KernelSpec(Family(d["family"]), int(d["tile_q"]), int(d["tile_kv"]), int(d["head_dim"]), str(d["dtype"]),
+                      int(d["stages"]), str(d["arch"]), int(d["warps"]))
+
+
+def plan_to_dict(p: PhysicalPlan) -> dict:
+    """A plan as plain values (the inverse of ``plan_from_dict``; names are derived, never stored)."""
+    return {"block_q": p.block_q, "block_kv": p.block_kv, "kv_layout": p.kv_layout.value,
+            "traversal": p.tasks.traversal.value, "num_splits": p.tasks.num_splits,
+            "persistent": p.tasks.persistent, "kernel": kernel_to_dict(p.kernel)}
+
+
+def plan_from_dict(d: Mapping) -> PhysicalPlan:
+    tasks = TaskOrganization(Traversal(d["traversal"]), int(d["num_splits"]), bool(d["persistent"]))
+    return PhysicalPlan(int(d["block_q"]), int(d["block_kv"]), KvLayout(d["kv_layout"]), tasks,
+                        kernel_from_dict(d["kernel"]))
+
+
+def key_table_to_dict(kt: KeyTable) -> dict:
+    return {
+        "base_plan": kt.base_plan,
+        "cases": kt.cases,
+        "buckets": {f"{b[0]},{b[1]}": bucket_to_dict(bt) for b, bt in sorted(kt.buckets.items())},
+    }
+
+
+def bucket_to_dict(bt: BucketTable) -> dict:
+    nodes = []
+    for n in bt.tree.nodes:
+        if n.stat >= 0:
+            nodes.append({"stat": STAT_NAMES[n.stat], "le": n.threshold, "left": n.left, "right": n.right})
+        else:
+            nodes.append({"regime": n.regime})
+    regimes = [{"rule": r.rule, "cases": r.cases, "ranking": [[rp.plan, rp.gm_ms] for rp in r.ranking]}
+               for r in bt.regimes]
+    return {"cases": bt.cases, "depth": bt.depth, "tree": nodes, "regimes": regimes}
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+def parse_table(data: Any, source: str) -> PlanTable:
+    """Everything ``PlanTable.from_dict`` checks, with messages that say where and what."""
+
+    def fail(what: str) -> PlanTableError:
+        return PlanTableError(f"{source}: {what}")
+
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise fail(f"not a Tessera plan table (expected \"format\": \"{FORMAT}\")")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise fail(f"schema version {version!r}, this Tessera reads version {SCHEMA_VERSION}; re-run `tessera profile`")
+    body = data.get("table")
+    if not isinstance(body, dict):
+        raise fail("no \"table\" object")
+    try:
+        digest = body_digest(body)
+    except (TypeError, ValueError) as err:
+        raise fail(f"table body is not canonical JSON ({err})") from err
+    if digest != data.get("sha256"):
+        raise fail("checksum mismatch: the file was edited or corrupted after it was built")
+    try:
+        return build_table(body, fail)
+    except PlanTableError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise fail(f"malformed table ({type(err).__name__}: {err})") from err
+
+
+def build_table(body: dict, fail) -> PlanTable:
+    arch = str(body["arch"])
+    catalog = body["catalog"]
+    kernels = tuple(kernel_from_dict(k) for k in catalog["kernels"])
+    if catalog_hash(kernels) != catalog["hash"]:
+        raise fail(f"catalog hash {catalog['hash']} does not match its own kernel list")
+    kernel_names = {k.name for k in kernels}
+
+    feats = body["features"]
+    stats = tuple(str(s) for s in feats["stats"])
+    unknown = [s for s in stats if s not in STAT_NAMES]
+    if unknown:
+        raise fail(f"feature schema names statistics this Tessera does not compute: {unknown} (known: {STAT_NAMES})")
+    edges = feats["buckets"]
+    buckets = Buckets(tuple(int(e) for e in edges["batch_heads"]), tuple(int(e) for e in edges["seq_len"]))
+    for dim, values in (("batch_heads", buckets.batch_heads), ("seq_len", buckets.seq_len)):
+        if list(values) != sorted(set(values)) or any(v < 1 for v in values):
+            raise fail(f"bucket edges {dim} = {list(values)} are not strictly increasing positive ints")
+    schema = FeatureSchema(stats, buckets)
+
+    plans: dict[str, PhysicalPlan] = {}
+    for name, spec in body["plans"].items():
+        plan = plan_from_dict(spec)
+        if plan.name != name:
+            raise fail(f"plan {name!r} describes {plan.name!r} (plan naming changed: re-run `tessera profile`)")
+        if plan.kernel.family is not Family.REFERENCE and plan.kernel.name not in kernel_names:
+            raise fail(f"plan {name} uses kernel {plan.kernel.name}, which is not in the table's catalog")
+        plans[name] = plan
+
+    allowed_stats = {STAT_NAMES.index(s) for s in stats}
+    keys: dict[str, KeyTable] = {}
+    for key, kd in body["keys"].items():
+        if not key.startswith(f"{arch}/"):
+            raise fail(f"key {key!r} is not a key of architecture {arch}")
+        base = kd["base_plan"]
+        if base is not None and base not in plans:
+            raise fail(f"{key}: base plan {base!r} is not in the table's plans")
+        bucket_tables = {}
+        for bucket_text, bd in kd["buckets"].items():
+            bucket = tuple(int(x) for x in bucket_text.split(","))
+            if len(bucket) != 2 or bucket[0] > len(buckets.batch_heads) or bucket[1] > len(buckets.seq_len) \
+                    or min(bucket) < 0:
+                raise fail(f"{key}: bucket {bucket_text!r} is outside the schema's buckets")
+            label = buckets.label(bucket)  # type: ignore[arg-type]
+            bucket_tables[bucket] = build_bucket(key, bucket, label, bd, plans, base, allowed_stats,
+                                                 lambda what, k=key, b=label: fail(f"{k} {b}: {what}"))
+        keys[key] = KeyTable(key, base, int(kd["cases"]), MappingProxyType(bucket_tables))
+    return PlanTable(arch, str(catalog["hash"]), kernels, schema, MappingProxyType(plans), MappingProxyType(keys),
+                     MappingProxyType(dict(body.get("provenance", {}))))
+
+
+def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mapping[str, PhysicalPlan],
+                 base: str | None, allowed_stats: set[int], fail) -> BucketTable:
+    regimes = []
+    for index, rd in enumerate(bd["regimes"]):
+        ranking = []
+        for entry in rd["ranking"]:
+            name, gm = entry
+            if name not in plans:
+                raise fail(f"regime {index} ranks unknown plan {name!r}")
+            if gm is not None and not (isinstance(gm, (int, float)) and math.isfinite(gm) and gm > 0):
+                raise fail(f"regime {index}: latency {gm!r} of {name} is not a positive number")
+            ranking.append(RankedPlan(str(name), None if gm is None else float(gm)))
+        if not ranking:
+            raise fail(f"regime {index} has an empty ranking")
+        if base is not None and ranking[-1].plan != base:
+            raise fail(f"regime {index} does not end with the key's base plan {base}")
+        regimes.append(Regime(key, label, index, str(rd["rule"]), int(rd["cases"]), tuple(ranking)))
+    nodes = []
+    for i, nd in enumerate(bd["tree"]):
+        if "regime" in nd:
+            r = int(nd["regime"])
+            if not 0 <= r < len(regimes):
+                raise fail(f"tree node {i} points at regime {r}, there are {len(regimes)}")
+            nodes.append(TreeNode(regime=r))
+        else:
+            stat = STAT_NAMES.index(str(nd["stat"])) if nd["stat"] in STAT_NAMES else -1
+            if stat not in allowed_stats:
+                raise fail(f"tree node {i} tests {nd['stat']!r}, not in the feature schema")
+            threshold = float(nd["le"])
+            if not math.isfinite(threshold):
+                raise fail(f"tree node {i} has threshold {threshold}")
+            left, right = int(nd["left"]), int(nd["right"])
+            nodes.append(TreeNode(stat, threshold, left, right))
+    check_tree(nodes, len(regimes), fail)
+    return BucketTable(key, bucket, label, int(bd["cases"]), int(bd["depth"]), RegimeTree(tuple(nodes)),
+                       tuple(regimes))
+
+
+def check_tree(nodes: list[TreeNode], n_regimes: int, fail) -> None:
+    """Root at 0, children after their parent, every node reached once, every regime a leaf once."""
+    if not nodes:
+        raise fail("empty tree")
+    parents = [0] * len(nodes)
+    for i, n in enumerate(nodes):
+        if n.stat >= 0:
+            for child in (n.left, n.right):
+                if not i < child < len(nodes):
+                    raise fail(f"tree node {i} has child {child} (must come after it, below {len(nodes)})")
+                parents[child] += 1
+    if any(p != 1 for p in parents[1:]):
+        raise fail("tree nodes are shared or unreachable")
+    leaves = sorted(n.regime for n in nodes if n.stat < 0)
+    if leaves != list(range(n_regimes)):
+        raise fail(f"tree leaves {leaves} do not name each of the {n_regimes} regimes once")
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+def load_plan_table(path: str | Path) -> PlanTable:
+    """Read and validate a table file. Raises ``PlanTableError`` (with the path) on any problem."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise PlanTableError(f"{path}: cannot read plan table ({err})") from err
+    except json.JSONDecodeError as err:
+        raise PlanTableError(f"{path}: corrupt plan table, not JSON ({err})") from err
+    return PlanTable.from_dict(data, source=str(path))
+
+
+@dataclass(frozen=True)
+class TableLoad:
+    """Outcome of looking for the table of one architecture: a table, nothing, or why not."""
+
+    table: PlanTable | None
+    path: str | None
+    error: str | None  # PlanTableError message when a table exists but cannot be used
+
+
+def shipped_table_path(arch: str) -> Path:
+    return Path(str(resources.files("tessera_diffusers").joinpath("data", f"plan_table_{arch}.json")))
+
+
+def default_table(arch: str) -> TableLoad:
+    """The table for ``arch``: ``$TESSERA_PLAN_TABLE`` when it names a table of that architecture,
+    else the shipped ``data/plan_table_<arch>.json``; read once per path."""
+    override = os.environ.get(TABLE_ENV)
+    if override:
+        found = load_table_file(override)
+        if found.table is None or found.table.arch == arch:
+            return found
+    return load_table_file(str(shipped_table_path(arch)))
+
+
+def load_table_file(path: str) -> TableLoad:
+    """``load_plan_table`` as a cached outcome: no file is not an error, a bad file is. Read again
+    only when the file changes."""
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except OSError:
+        return TableLoad(None, None, None)
+    return load_table_version(path, stamp)
+
+
+@cache
+def load_table_version(path: str, mtime_ns: int) -> TableLoad:
+    try:
+        return TableLoad(load_plan_table(path), path, None)
+    except PlanTableError as err:
+        return TableLoad(None, path, str(err))

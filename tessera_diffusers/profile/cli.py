@@ -1,0 +1,179 @@
+"""``tessera profile``: profile the catalog on the corpus's profiling split, then build the plan table.
+
+    tessera profile --out DIR --minutes 8          # measure for 8 minutes (resumes DIR), then build the table
+    tessera profile --out DIR --compile-only       # rebuild DIR/plan_table_<arch>.json from the records
+    tessera profile --out /tmp/p --smoke           # tiny CPU run: PyTorch executor plans, seconds
+
+Measurements are appended to ``DIR/profile.jsonl`` as they are made; running the same command again
+continues where the last one stopped (``--fresh`` starts over). The table goes to
+``DIR/plan_table_<arch>.json`` with a report in ``DIR/compile_report.md``; ship it by copying it to
+``tessera_diffusers/data/`` (or point ``TESSERA_PLAN_TABLE`` at it). Exit status 1 when a plan
+failed its oracle check in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..bench.config import ALL_FAMILIES, SIZE_PROFILES
+from ..errors import CatalogError, PlanTableError
+from ..plan_table import FeatureSchema
+from .config import ProfileConfig, smoke_config
+from .records import RECORDS_FILE, read_records
+
+REPORT_FILE = "compile_report.md"
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tessera profile``."""
+    parser.add_argument("--out", required=True, type=Path, help="directory of profile.jsonl and the table")
+    parser.add_argument("--minutes", type=float, default=None, help="time budget of the measuring loop")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU configuration (PyTorch executor plans)")
+    parser.add_argument("--sizes", type=comma_list, default=None,
+                        help=f"size profiles from {sorted(SIZE_PROFILES)} (default n32k)")
+    parser.add_argument("--families", type=comma_list, default=None, help=f"from {list(ALL_FAMILIES)}")
+    parser.add_argument("--sources", type=comma_list, default=None, help="corpus sources to draw cases from")
+    parser.add_argument("--cases-per-combo", type=int, default=None,
+                        help="seeds per (size, family, source) of the profiling split (default 12)")
+    parser.add_argument("--max-cases", type=int, default=None, help="stop after this many cases")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--head-dim", type=int, default=None, help="default 128 (64 with --smoke)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=None, help="override the size profile's head count")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed runs before the timed ones (default 3)")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs, the median is kept (default 5)")
+    parser.add_argument("--input-sets", type=int, default=None, help="rotated q/k/v sets (default 3)")
+    parser.add_argument("--validate-heads", type=int, default=2, help="heads checked against the oracle")
+    parser.add_argument("--atol", type=float, default=None, help="absolute slack of the oracle check")
+    parser.add_argument("--abandon-factor", type=float, default=1.5,
+                        help="keep one sample of a plan this many times slower than the case's best (0: off)")
+    parser.add_argument("--plan-filter", default=None, help="regular expression over plan names")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fresh", action="store_true", help="discard DIR/profile.jsonl and start over")
+    parser.add_argument("--no-progress", action="store_true")
+    table = parser.add_argument_group("table building")
+    table.add_argument("--no-compile", action="store_true", help="measure only")
+    table.add_argument("--compile-only", action="store_true", help="build the table from the records only")
+    table.add_argument("--records", type=Path, nargs="+", default=None,
+                       help=f"records files to build from (default DIR/{RECORDS_FILE})")
+    table.add_argument("--table", type=Path, default=None, help="where to write it (default DIR/plan_table_<arch>.json)")
+    table.add_argument("--arch", default=None, help="architecture to build for when the records hold several")
+    table.add_argument("--min-leaf", type=int, default=32, help="profiled cases per regime at least")
+    table.add_argument("--max-depth", type=int, default=4, help="deepest regime tree cross-validation may choose")
+    table.add_argument("--folds", type=int, default=5, help="GroupKFold folds (groups: corpus sources)")
+
+
+def config_from_args(args: argparse.Namespace) -> ProfileConfig:
+    if args.smoke:
+        return smoke_config(
+            args.out, sizes=args.sizes, families=args.families, sources=args.sources,
+            cases_per_combo=args.cases_per_combo, max_cases=args.max_cases, dtype=args.dtype,
+            head_dim=args.head_dim, batch=args.batch, heads=args.heads, warmup=args.warmup, reps=args.reps,
+            input_sets=args.input_sets, validate_heads=args.validate_heads, atol=args.atol,
+            abandon_factor=args.abandon_factor, minutes=args.minutes, plan_filter=args.plan_filter,
+            device=args.device, seed=args.seed, resume=not args.fresh, progress=not args.no_progress)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return ProfileConfig(
+        out_dir=args.out,
+        sizes=args.sizes or ("n32k",),
+        families=args.families or ALL_FAMILIES,
+        sources=args.sources,
+        cases_per_combo=args.cases_per_combo or 12,
+        max_cases=args.max_cases,
+        dtype=args.dtype,
+        head_dim=args.head_dim or 128,
+        batch=args.batch,
+        heads=args.heads,
+        warmup=3 if args.warmup is None else args.warmup,
+        reps=args.reps or 5,
+        input_sets=args.input_sets or 3,
+        validate_heads=args.validate_heads,
+        atol=args.atol,
+        abandon_factor=args.abandon_factor,
+        minutes=args.minutes,
+        plan_filter=args.plan_filter,
+        device=device,
+        seed=args.seed,
+        resume=not args.fresh,
+        progress=not args.no_progress,
+    )
+
+
+def build_table(records: Sequence[Path], out: Path | None, out_dir: Path, arch: str | None,
+                min_leaf: int, max_depth: int, folds: int, log=print) -> Path:
+    """Compile the records into a table file and a report next to it. Raises ``PlanTableError``."""
+    from .compile import CompileOptions, compile_table, load_profile
+
+    profile = load_profile(records, arch)
+    options = CompileOptions(FeatureSchema(), min_leaf=min_leaf, max_depth=max_depth, folds=folds)
+    try:
+        table, report = compile_table(profile, options, {"records": [str(p) for p in records]})
+    except ImportError as err:
+        raise PlanTableError(f"building a table needs scikit-learn (pip install 'tessera-diffusers[profile]'): {err}") \
+            from err
+    path = table.save(out or out_dir / f"plan_table_{profile.arch}.json")
+    markdown = report.to_markdown()
+    (path.parent / REPORT_FILE).write_text(markdown)
+    log(markdown)
+    log(f"tessera profile: wrote {path} ({len(table.keys)} keys, "
+        f"{sum(len(b.regimes) for k in table.keys.values() for b in k.buckets.values())} regimes)")
+    return path
+
+
+def invalid_plans(path: Path, since_line: int) -> list[dict]:
+    """Plan records past ``since_line`` that failed their oracle check."""
+    records = list(read_records([path]))[since_line:]
+    return [r for r in records if r.get("type") == "plan" and r.get("status") == "invalid"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile (unless ``--compile-only``), then build the table (unless ``--no-compile``)."""
+    out_dir = Path(args.out)
+    records_path = out_dir / RECORDS_FILE
+    invalid: list[dict] = []
+    if not args.compile_only:
+        config = config_from_args(args)
+        if torch.device(config.device).type == "cpu" and not args.smoke:
+            print("tessera profile: no CUDA device, profiling PyTorch executor plans on the CPU "
+                  "(use --smoke for the tiny configuration)", file=sys.stderr)
+        from .runner import run_profile
+
+        before = 0 if args.fresh else len(list(read_records([records_path])))
+        try:
+            summary = run_profile(config, log=lambda m: print(m, file=sys.stderr))
+        except CatalogError as err:
+            print(f"tessera profile: {err}", file=sys.stderr)
+            return 1
+        print(f"tessera profile: {summary}")
+        invalid = invalid_plans(records_path, before)
+        for r in invalid[:10]:
+            print(f"INVALID {r['plan']} on {r['case']}: {r.get('reason')}", file=sys.stderr)
+    if not args.no_compile:
+        try:
+            build_table(args.records or [records_path], args.table, out_dir, args.arch, args.min_leaf,
+                        args.max_depth, args.folds)
+        except PlanTableError as err:
+            print(f"tessera profile: no table built: {err}", file=sys.stderr)
+            if args.compile_only:
+                return 1
+    return 1 if invalid else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera profile", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

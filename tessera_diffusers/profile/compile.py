@@ -1,0 +1,438 @@
+"""The table compiler: measured latencies ``L[case, plan]`` -> a ``PlanTable`` (DESIGN section 6).
+
+Per request key (arch, geometry, head dim, dtype, layout):
+
+1. The *base plan*: of the plans valid (validated and timed) on every profiled case of the key, the
+   one with the lowest geometric-mean latency. It ends every ranking of the key.
+2. Per bucket of request dims (batch x heads, sequence length): a regression tree over the mask
+   statistics (scikit-learn ``DecisionTreeRegressor``, ``min_samples_leaf`` cases per leaf) whose
+   targets are each contending plan's log regret on the case (latency over the case's fastest,
+   clipped), so that leaves group cases on which the same plans win. Its depth (0 = one regime) is
+   chosen by cross-validation with ``GroupKFold`` over the cases' groups (the corpus source: masks
+   of one source never sit on both sides of a fold), scoring the held-out regret of the plan the
+   candidate table would choose. Sibling leaves that rank the same plans are merged.
+3. Each leaf (a regime) ranks the plans valid on all its cases by geometric-mean latency, at most
+   ``ranking_length`` of them, and ends with the base plan.
+
+The tree is exported as plain thresholds (``plan_table.TreeNode``); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+
+from ..errors import PlanTableError
+from ..mask_state import NUM_STATS
+from ..plan_table import (
+    STAT_NAMES,
+    BucketTable,
+    FeatureSchema,
+    KeyTable,
+    PlanTable,
+    RankedPlan,
+    Regime,
+    RegimeTree,
+    TreeNode,
+    kernel_from_dict,
+    plan_from_dict,
+)
+from ..plans import KernelSpec, PhysicalPlan, Request
+from .records import read_records, request_from_dict
+
+# Regret charged in cross-validation when no ranked plan is valid on a held-out case.
+MISSING_REGRET = 2.0
+
+
+@dataclass(frozen=True)
+class ProfiledCase:
+    """One profiled mask: its request, statistics, CV group and the latency of every valid plan."""
+
+    name: str
+    request: Request
+    stats: tuple[float, ...]  # [NUM_STATS], indexed by Stat
+    group: str  # cross-validation group (the corpus source)
+    latencies: Mapping[str, float]  # plan name -> median kernel ms, valid plans only
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Complete profiled cases of one architecture and one catalog, with the plans they name."""
+
+    arch: str
+    catalog_hash: str
+    kernels: tuple[KernelSpec, ...]
+    cases: tuple[ProfiledCase, ...]
+    plans: Mapping[str, PhysicalPlan]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    features: FeatureSchema = field(default_factory=FeatureSchema)
+    min_leaf: int = 32  # cases per leaf (regime) at least
+    max_depth: int = 4
+    folds: int = 5
+    ranking_length: int = 8  # plans per regime before the base plan
+    contender_regret: float = 1.10  # tree targets: plans within this of the best on some case
+    target_clip: float = 1.5  # tree targets: regrets clipped here (2x and 3x slower are equally out)
+    tie_tolerance: float = 0.001  # a deeper tree must lower the CV log-GM regret by more than this
+
+
+@dataclass(frozen=True)
+class BucketReport:
+    key: str
+    bucket: str
+    cases: int
+    groups: int
+    depth: int
+    regimes: int
+    cv: tuple[tuple[int, float], ...]  # (depth, GM regret of the held-out cases)
+    fit_regret: float  # GM regret of the final table on its own cases
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    arch: str
+    catalog_hash: str
+    cases: int
+    buckets: tuple[BucketReport, ...]
+    warnings: tuple[str, ...] = ()
+
+    def to_markdown(self) -> str:
+        lines = [f"# Plan table {self.arch} (catalog {self.catalog_hash}), {self.cases} profiled cases", "",
+                 "| key | bucket | cases | groups | depth | regimes | CV GM regret by depth | fit GM regret | note |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for b in self.buckets:
+            cv = ", ".join(f"{d}: {r:.4f}" for d, r in b.cv) or "-"
+            lines.append(f"| {b.key} | {b.bucket} | {b.cases} | {b.groups} | {b.depth} | {b.regimes} | {cv} | "
+                         f"{b.fit_regret:.4f} | {b.note} |")
+        if self.warnings:
+            lines += ["", "Warnings:", ""] + [f"- {w}" for w in self.warnings]
+        return "\n".join(lines) + "\n"
+
+
+# -- loading the profiler's records --------------------------------------------------------------
+
+def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profile:
+    """Complete cases of the records files (``records.py``) for one architecture. Raises
+    ``PlanTableError`` when there is nothing to compile or the architecture is ambiguous."""
+    skipped: list = []
+    catalogs: dict[str, tuple[KernelSpec, ...]] = {}
+    case_records: dict[str, dict] = {}
+    latencies: dict[str, dict[str, float]] = defaultdict(dict)
+    specs: dict[str, dict] = {}
+    for record in read_records(paths, skipped):
+        kind = record.get("type")
+        if kind == "catalog":
+            catalogs[record["catalog_hash"]] = tuple(kernel_from_dict(k) for k in record["kernels"])
+        elif kind == "case":
+            case_records[record["case"]] = record
+        elif kind == "plan":
+            specs.setdefault(record["plan"], record["spec"])
+            if record.get("status") == "ok":
+                latencies[record["case"]][record["plan"]] = float(record["latency_ms"])
+    if not case_records:
+        raise PlanTableError("no complete profiled case in the records (run `tessera profile` first)")
+    archs = Counter(r["arch"] for r in case_records.values())
+    if arch is None:
+        if len(archs) > 1:
+            raise PlanTableError(f"records hold several architectures {dict(archs)}: choose one (--arch)")
+        arch = next(iter(archs))
+    mine = [r for r in case_records.values() if r["arch"] == arch]
+    if not mine:
+        raise PlanTableError(f"no profiled case of architecture {arch} (records have {dict(archs)})")
+    hashes = Counter(r["catalog_hash"] for r in mine)
+    chosen_hash, _ = hashes.most_common(1)[0]
+    notes = []
+    if len(hashes) > 1:
+        notes.append(f"ignored {len(mine) - hashes[chosen_hash]} cases profiled against other catalogs "
+                     f"({sorted(set(hashes) - {chosen_hash})})")
+    if chosen_hash not in catalogs:
+        raise PlanTableError(f"records lack the catalog record of hash {chosen_hash}")
+    cases = []
+    for record in mine:
+        if record["catalog_hash"] != chosen_hash:
+            continue
+        stats = record["stats"]
+        missing = [s for s in STAT_NAMES if s not in stats]
+        if missing:
+            notes.append(f"case {record['case']} lacks statistics {missing}; skipped")
+            continue
+        cases.append(ProfiledCase(record["case"], request_from_dict(record["request"]),
+                                  tuple(float(stats[s]) for s in STAT_NAMES), str(record["group"]),
+                                  MappingProxyType(dict(latencies.get(record["case"], {})))))
+    if skipped:
+        notes.append(f"skipped {len(skipped)} unreadable record line(s)")
+    named = {name for c in cases for name in c.latencies}
+    plans = {name: plan_from_dict(specs[name]) for name in sorted(named)}
+    return Profile(arch, chosen_hash, catalogs[chosen_hash], tuple(cases), MappingProxyType(plans), tuple(notes))
+
+
+# -- the compiler --------------------------------------------------------------------------------
+
+def compile_table(profile: Profile, options: CompileOptions = CompileOptions(),
+                  provenance: Mapping | None = None) -> tuple[PlanTable, CompileReport]:
+    """Build the plan table of ``profile`` (see the module docstring)."""
+    schema = options.features
+    columns = [STAT_NAMES.index(s) for s in schema.stats]
+    warnings: list[str] = list(profile.notes)
+    by_key: dict[str, list[ProfiledCase]] = defaultdict(list)
+    for case in profile.cases:
+        if not case.request.key.startswith(f"{profile.arch}/"):
+            raise PlanTableError(f"case {case.name} has key {case.request.key}, not of architecture {profile.arch}")
+        by_key[case.request.key].append(case)
+    keys: dict[str, KeyTable] = {}
+    reports: list[BucketReport] = []
+    used: set[str] = set()
+    for key, key_cases in sorted(by_key.items()):
+        base = base_plan(key_cases)
+        if base is None:
+            warnings.append(f"{key}: no plan is valid on all {len(key_cases)} cases; the key gets no base plan")
+        by_bucket: dict[tuple[int, int], list[ProfiledCase]] = defaultdict(list)
+        for case in key_cases:
+            by_bucket[schema.buckets.of(case.request)].append(case)
+        buckets = {}
+        for bucket, cases in sorted(by_bucket.items()):
+            label = schema.buckets.label(bucket)
+            fitted = fit_bucket(key, bucket, label, cases, columns, base, options)
+            if isinstance(fitted, str):
+                warnings.append(f"{key} {label}: {fitted}")
+                continue
+            table, report = fitted
+            buckets[bucket] = table
+            reports.append(report)
+            used.update(rp.plan for regime in table.regimes for rp in regime.ranking)
+        if base is not None:
+            used.add(base)
+        keys[key] = KeyTable(key, base, len(key_cases), MappingProxyType(buckets))
+    info = {
+        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cases": len(profile.cases),
+        "min_leaf": options.min_leaf,
+        "max_depth": options.max_depth,
+        "folds": options.folds,
+        **(provenance or {}),
+    }
+    table = PlanTable(profile.arch, profile.catalog_hash, profile.kernels, schema,
+                      MappingProxyType({name: profile.plans[name] for name in sorted(used)}),
+                      MappingProxyType(keys), MappingProxyType(info))
+    return table, CompileReport(profile.arch, profile.catalog_hash, len(profile.cases), tuple(reports),
+                                tuple(warnings))
+
+
+def base_plan(cases: Sequence[ProfiledCase]) -> str | None:
+    """The plan valid on every case with the lowest geometric-mean latency (ties: by name)."""
+    common = set(cases[0].latencies)
+    for case in cases[1:]:
+        common &= set(case.latencies)
+    if not common:
+        return None
+    return min(sorted(common), key=lambda p: sum(math.log(c.latencies[p]) for c in cases))
+
+
+@dataclass
+class BucketData:
+    """The arrays of one bucket: statistics, latencies and the tree's regression targets."""
+
+    x: np.ndarray  # [n, F] float64, the schema's statistics
+    lat: np.ndarray  # [n, P] float64 ms, nan where the plan is not valid on the case
+    names: list[str]  # P plan names
+    target: np.ndarray  # [n, C] log regret of the contending plans, clipped
+    groups: np.ndarray  # [n] group labels
+    base: str | None
+    options: CompileOptions
+    rankings: dict = field(default_factory=dict)  # bytes of the sorted rows -> ranking (memo)
+    column: dict = field(default_factory=dict)  # plan name -> column of lat
+
+    def __post_init__(self) -> None:
+        self.column = {name: c for c, name in enumerate(self.names)}
+
+    def ranking(self, rows: np.ndarray) -> tuple[RankedPlan, ...]:
+        """Plans valid on all ``rows`` by geometric-mean latency, ending with the base plan."""
+        memo_key = rows.tobytes()
+        if memo_key in self.rankings:
+            return self.rankings[memo_key]
+        sub = self.lat[rows]
+        valid = ~np.isnan(sub).any(axis=0)
+        gms = np.full(len(self.names), np.inf)
+        gms[valid] = np.exp(np.log(sub[:, valid]).mean(axis=0))
+        order = sorted(np.flatnonzero(valid), key=lambda c: (gms[c], self.names[c]))
+        ranking = []
+        for c in order:
+            ranking.append(RankedPlan(self.names[c], float(gms[c])))
+            if self.names[c] == self.base or len(ranking) >= self.options.ranking_length:
+                break
+        if self.base is not None and (not ranking or ranking[-1].plan != self.base):
+            c = self.column[self.base]
+            ranking.append(RankedPlan(self.base, float(gms[c]) if valid[c] else None))
+        self.rankings[memo_key] = tuple(ranking)
+        return self.rankings[memo_key]
+
+    def regret(self, row: int, ranking: Sequence[RankedPlan]) -> float:
+        """Regret on case ``row`` of the first ranked plan valid on it."""
+        best = np.nanmin(self.lat[row])
+        for ranked in ranking:
+            ms = self.lat[row, self.column[ranked.plan]]
+            if not np.isnan(ms):
+                return float(ms / best)
+        return MISSING_REGRET
+
+
+def bucket_data(cases: Sequence[ProfiledCase], columns: list[int], base: str | None,
+                options: CompileOptions) -> BucketData:
+    names = sorted({p for c in cases for p in c.latencies})
+    lat = np.full((len(cases), len(names)), np.nan)
+    index = {n: i for i, n in enumerate(names)}
+    for r, case in enumerate(cases):
+        for plan, ms in case.latencies.items():
+            lat[r, index[plan]] = ms
+    x = np.array([[c.stats[i] for i in columns] for c in cases], dtype=np.float64).reshape(len(cases), len(columns))
+    best = np.nanmin(np.where(np.isnan(lat), np.inf, lat), axis=1, keepdims=True)
+    regret = lat / best
+    contenders = np.flatnonzero((regret <= options.contender_regret).any(axis=0))
+    clipped = np.where(np.isnan(regret[:, contenders]), options.target_clip,
+                       np.minimum(regret[:, contenders], options.target_clip))
+    groups = np.array([c.group for c in cases])
+    return BucketData(x, lat, names, np.log(clipped), groups, base, options)
+
+
+def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[ProfiledCase], columns: list[int],
+               base: str | None, options: CompileOptions) -> tuple[BucketTable, BucketReport] | str:
+    """The tree and regimes of one bucket, or why the bucket gets none."""
+    cases = [c for c in cases if c.latencies]
+    if not cases:
+        return "no case has a valid plan"
+    data = bucket_data(cases, columns, base, options)
+    all_rows = np.arange(len(cases))
+    if not data.ranking(all_rows):
+        return "no plan is valid on every case and there is no base plan"
+    cv, note = cross_validate(data, options)
+    depth = 0
+    if cv:
+        best = min(score for _, score in cv)
+        depth = min(d for d, score in cv if score <= best + options.tie_tolerance)
+    model = fit_tree(data.x, data.target, depth, options.min_leaf)
+    nodes, leaves = export_tree(model, data, columns)
+    regimes = []
+    for index, (rows, rule) in enumerate(leaves):
+        regimes.append(Regime(key, label, index, rule, len(rows), data.ranking(rows)))
+    fit = [data.regret(r, regimes[i].ranking) for i, (rows, _) in enumerate(leaves) for r in rows]
+    report = BucketReport(key, label, len(cases), len(set(data.groups)), depth, len(regimes),
+                          tuple((d, math.exp(s)) for d, s in cv), geometric_mean(fit), note)
+    return BucketTable(key, bucket, label, len(cases), depth, RegimeTree(tuple(nodes)), tuple(regimes)), report
+
+
+def fit_tree(x: np.ndarray, target: np.ndarray, depth: int, min_leaf: int):
+    """A fitted ``DecisionTreeRegressor``, or None for depth 0 (one regime)."""
+    if depth == 0 or len(x) < 2 * min_leaf or target.shape[1] == 0:
+        return None
+    from sklearn.tree import DecisionTreeRegressor  # the profile extra; never needed online
+
+    return DecisionTreeRegressor(max_depth=depth, min_samples_leaf=min_leaf, random_state=0).fit(x, target)
+
+
+def leaves_of(model, x: np.ndarray) -> np.ndarray:
+    return np.zeros(len(x), dtype=np.int64) if model is None else model.apply(x)
+
+
+def cv_folds(groups: np.ndarray, folds: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``GroupKFold`` splits: every group entirely in train or in test. Empty with < 2 groups."""
+    n_groups = len(set(groups.tolist()))
+    if n_groups < 2:
+        return []
+    from sklearn.model_selection import GroupKFold
+
+    splitter = GroupKFold(n_splits=min(folds, n_groups))
+    return list(splitter.split(np.zeros(len(groups)), groups=groups))
+
+
+def cross_validate(data: BucketData, options: CompileOptions) -> tuple[list[tuple[int, float]], str]:
+    """Mean held-out log regret per depth (depth 0 always; deeper while trees can still grow)."""
+    n = len(data.groups)
+    if n < 2 * options.min_leaf:
+        return [], f"{n} cases < 2 x {options.min_leaf}: one regime"
+    splits = cv_folds(data.groups, options.folds)
+    if not splits:
+        return [], "one CV group only: one regime"
+    scores = []
+    for depth in range(options.max_depth + 1):
+        logs, grew = [], False
+        for train, test in splits:
+            model = fit_tree(data.x[train], data.target[train], depth, options.min_leaf)
+            train_leaves = leaves_of(model, data.x[train])
+            test_leaves = leaves_of(model, data.x[test])
+            grew |= model is not None and model.get_depth() >= depth
+            for leaf in np.unique(test_leaves):
+                rows = train[train_leaves == leaf]
+                ranking = data.ranking(np.sort(rows))
+                logs += [math.log(data.regret(r, ranking)) for r in test[test_leaves == leaf]]
+        scores.append((depth, float(np.mean(logs))))
+        if depth > 0 and not grew:
+            break  # no fold's tree reached this depth: deeper ones are the same trees
+    return scores, ""
+
+
+def export_tree(model, data: BucketData, columns: list[int]) -> tuple[list[TreeNode], list[tuple[np.ndarray, str]]]:
+    """Plain-threshold nodes (preorder, root 0) and each regime's rows and rule. Sibling leaves
+    with the same ranked plans are merged."""
+    leaf_ids = leaves_of(model, data.x)
+    all_rows = np.arange(len(data.x))
+    if model is None:
+        return [TreeNode(regime=0)], [(all_rows, "all masks")]
+    tree = model.tree_
+
+    def rows_under(node: int) -> np.ndarray:
+        if tree.children_left[node] < 0:
+            return all_rows[leaf_ids == node]
+        return np.sort(np.concatenate([rows_under(tree.children_left[node]), rows_under(tree.children_right[node])]))
+
+    def visit(node: int, path: tuple[str, ...]):
+        if tree.children_left[node] < 0:
+            return ("leaf", rows_under(node), path)
+        stat = columns[int(tree.feature[node])]
+        threshold = float(tree.threshold[node])
+        name = STAT_NAMES[stat]
+        left = visit(tree.children_left[node], path + (f"{name} <= {threshold:.4g}",))
+        right = visit(tree.children_right[node], path + (f"{name} > {threshold:.4g}",))
+        if left[0] == "leaf" and right[0] == "leaf":
+            same = [r.plan for r in data.ranking(left[1])] == [r.plan for r in data.ranking(right[1])]
+            if same:
+                return ("leaf", np.sort(np.concatenate([left[1], right[1]])), path)
+        return ("split", stat, threshold, left, right)
+
+    nodes: list[TreeNode] = []
+    leaves: list[tuple[np.ndarray, str]] = []
+
+    def flatten(sub) -> int:
+        index = len(nodes)
+        if sub[0] == "leaf":
+            nodes.append(TreeNode(regime=len(leaves)))
+            leaves.append((sub[1], " and ".join(sub[2]) or "all masks"))
+            return index
+        nodes.append(TreeNode())  # placeholder until the children have their indices
+        left, right = flatten(sub[3]), flatten(sub[4])
+        nodes[index] = TreeNode(sub[1], sub[2], left, right)
+        return index
+
+    flatten(visit(0, ()))
+    return nodes, leaves
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def stats_vector(stats: Mapping[str, float]) -> tuple[float, ...]:
+    """A ``{stat name: value}`` dict (``MaskState.host_stats``) as a tuple in ``Stat`` order."""
+    if len(STAT_NAMES) != NUM_STATS:  # pragma: no cover  (mirrors mask_state by construction)
+        raise PlanTableError("plan_table.STAT_NAMES is out of step with mask_state.Stat")
+    return tuple(float(stats[s]) for s in STAT_NAMES)

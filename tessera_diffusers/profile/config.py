@@ -1,0 +1,102 @@
+"""What a profiling run measures: cases of the corpus's profiling split at benchmark sizes, and how.
+
+Cases come out seed rank by seed rank over every (size, family, source), so any prefix of the list
+— what a time budget leaves — covers every request key evenly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..bench.config import ALL_FAMILIES, SIZE_PROFILES
+from ..corpus import CaseSpec, family_named, split_seeds
+from ..errors import InvalidArgumentError
+
+SPLIT = "profiling"  # never the evaluation split: the table is judged on cases it has not seen
+SMOKE_FAMILIES: tuple[str, ...] = ("Q32K16", "Q64K64")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """One profiling run. ``cases()`` lists what it measures, in order."""
+
+    out_dir: Path
+    sizes: tuple[str, ...] = ("n32k",)
+    families: tuple[str, ...] = ALL_FAMILIES
+    sources: tuple[str, ...] | None = None
+    cases_per_combo: int = 12  # seeds per (size, family, source)
+    max_cases: int | None = None
+    dtype: str = "bf16"
+    head_dim: int = 128
+    batch: int = 1
+    heads: int | None = None  # overrides the size profile's head counts
+    warmup: int = 3
+    reps: int = 5
+    input_sets: int = 3
+    validate_heads: int = 2
+    atol: float | None = None
+    # After the validation run, one timed run; a plan slower than abandon_factor x the case's best
+    # median so far keeps that single sample instead of warm-ups + reps (it cannot lead any ranking).
+    # 0 disables it.
+    abandon_factor: float = 1.5
+    minutes: float | None = None  # time budget of the measuring loop (None: no limit)
+    plan_filter: str | None = None  # regular expression over plan names
+    device: str = "cuda"
+    seed: int = 0
+    resume: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for size in self.sizes:
+            if size not in SIZE_PROFILES:
+                raise InvalidArgumentError("sizes", f"names from {sorted(SIZE_PROFILES)}", repr(size))
+        if not self.families:
+            raise InvalidArgumentError("families", "at least one family", "none")
+        for name in self.families:
+            family_named(name)
+        for name, value, least in (("warmup", self.warmup, 0), ("reps", self.reps, 1),
+                                   ("input_sets", self.input_sets, 1), ("cases_per_combo", self.cases_per_combo, 1),
+                                   ("batch", self.batch, 1), ("validate_heads", self.validate_heads, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidArgumentError(name, f"an int >= {least}", repr(value))
+        if self.max_cases is not None and self.max_cases < 0:
+            raise InvalidArgumentError("max_cases", "a non-negative int or None", repr(self.max_cases))
+        if self.minutes is not None and self.minutes < 0:
+            raise InvalidArgumentError("minutes", "a non-negative number or None", repr(self.minutes))
+        if self.abandon_factor != 0 and self.abandon_factor <= 1:
+            raise InvalidArgumentError("abandon_factor", "0 (off) or a number > 1", repr(self.abandon_factor))
+        if self.plan_filter is not None:
+            try:
+                re.compile(self.plan_filter)
+            except re.error as err:
+                raise InvalidArgumentError("plan_filter", "a regular expression", f"{self.plan_filter!r} ({err})") from err
+
+    def cases(self) -> list[tuple[str, CaseSpec]]:
+        """``(size, case)`` pairs of the profiling split: seed rank major, then size, family, source."""
+        combos = []
+        for size in self.sizes:
+            profile = SIZE_PROFILES[size]
+            for name in self.families:
+                family = family_named(name)
+                grid, heads = profile.grid_for(name)
+                if not family.feasible(grid):
+                    continue
+                for source in family.sources:
+                    if self.sources is None or source in self.sources:
+                        combos.append((size, name, source, grid, self.heads or heads))
+        out = []
+        for rank in range(self.cases_per_combo):
+            for size, name, source, grid, heads in combos:
+                seed = split_seeds(source, SPLIT, self.cases_per_combo)[rank]
+                out.append((size, CaseSpec(name, source, grid, heads, seed)))
+        return out if self.max_cases is None else out[: self.max_cases]
+
+
+def smoke_config(out_dir: Path, **overrides) -> ProfileConfig:
+    """The tiny CPU configuration: the PyTorch executor on N=1,024, H=2, D=64, seconds in all."""
+    settings = {"sizes": ("smoke",), "families": SMOKE_FAMILIES, "cases_per_combo": 1, "head_dim": 64,
+                "warmup": 1, "reps": 2, "input_sets": 2, "device": "cpu"}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    return ProfileConfig(out_dir=out_dir, **settings)

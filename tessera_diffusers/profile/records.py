@@ -1,0 +1,92 @@
+"""The profiler's records: one JSON line per measured (case, plan), one per finished case.
+
+``profile.jsonl`` is appended to as measurements are made, so a run cut short (time budget, crash,
+a killed machine) keeps everything it measured, and the next run skips what is done:
+
+    {"type": "plan", "case": "<size>:<case name>", "plan": <name>, "spec": <plan dict>,
+     "status": "ok" | "invalid" | "failed", "latency_ms": <median>, "samples_ms": [...],
+     "abandoned": <bool>, "timer": "cuda_events" | "host_monotonic" | <injected>, "check": {...}, "reason": ...}
+    {"type": "case", "case": ..., "size": ..., "spec": <CaseSpec dict>, "family": ..., "source": ...,
+     "group": <CV group>, "request": <Request dict>, "key": <request key>, "stats": {<stat>: value},
+     "arch": ..., "catalog_hash": ..., "plans": <eligible plan count>, "rejected": {<plan>: <reason>},
+     "device": ..., "torch": ...}
+    {"type": "catalog", "catalog_hash": ..., "kernels": [<KernelSpec dict>]}    (once per run)
+
+A case record is written only after every plan of the case has a record: the table compiler uses
+complete cases only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..plans import Request
+
+RECORDS_FILE = "profile.jsonl"
+RECORD_VERSION = 1
+
+
+def request_to_dict(request: Request) -> dict:
+    return asdict(request)
+
+
+def request_from_dict(data: dict) -> Request:
+    return Request(**{k: data[k] for k in Request.__dataclass_fields__ if k in data})
+
+
+@dataclass
+class Progress:
+    """What a records file already holds (explicit state of a resumed run)."""
+
+    done_plans: set = field(default_factory=set)  # (case key, plan name)
+    done_cases: set = field(default_factory=set)  # case keys with a case record
+    best_ms: dict = field(default_factory=dict)  # case key -> fastest valid median so far
+    bad_lines: int = 0
+
+
+def read_records(paths: Iterable[str | Path], skipped: list | None = None) -> Iterator[dict]:
+    """Every record of the given files. A line that is not JSON (a run killed mid-write) is skipped
+    and counted in ``skipped`` when given."""
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            continue
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    if skipped is not None:
+                        skipped.append(line[:80])
+                    continue
+                if isinstance(record, dict):
+                    yield record
+
+
+def load_progress(path: Path) -> Progress:
+    progress = Progress()
+    skipped: list = []
+    for record in read_records([path], skipped):
+        case = record.get("case")
+        if record.get("type") == "plan":
+            progress.done_plans.add((case, record.get("plan")))
+            if record.get("status") == "ok":
+                ms = float(record["latency_ms"])
+                progress.best_ms[case] = min(ms, progress.best_ms.get(case, ms))
+        elif record.get("type") == "case":
+            progress.done_cases.add(case)
+    progress.bad_lines = len(skipped)
+    return progress
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One line, flushed at once (a later crash loses nothing written before it)."""
+    record = {"version": RECORD_VERSION, **record}
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()

@@ -1,0 +1,322 @@
+"""The offline profiler: every eligible plan of every profiling case, validated, then timed.
+
+For each case (``ProfileConfig.cases()``): build the mask on the device, its ``MaskState`` and
+statistics, ``input_sets`` random ``(q, k, v)`` sets, and the fp32 oracle on ``validate_heads``
+heads (computed once per case, shared by its plans). Then for each eligible plan, fastest predicted
+first: prepare it, run it once and compare with the oracle (the criterion of
+``tessera_diffusers.testing``: at most twice the error of a same-precision PyTorch run plus a small
+atol, exact zeros on rows without keys), then time it — CUDA events, median of ``reps`` after
+``warmup`` runs, rotating the input sets so L2 cannot hold them (``bench.timing``). A plan whose
+first timed run is already ``abandon_factor`` x slower than the case's best keeps that one sample.
+
+On a device without native kernels (the CPU smoke run) the plans are PyTorch-executor plans
+(reference family); tests can also inject the timing function. Every result is appended to
+``profile.jsonl`` at once (``records.py``): a rerun skips every (case, plan) already there.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..bench.problem import OracleCheck, Problem, check_heads, dtype_named, make_inputs
+from ..bench.tessera_backends import request_of
+from ..bench.timing import Timing, synchronize, time_kernel
+from ..catalog import catalog_hash, plans_for, reference_kernel
+from ..corpus import CaseSpec
+from ..cost_model import estimate_ms
+from ..eligibility import rejection
+from ..errors import NativeKernelError
+from ..mask_state import build_mask_state
+from ..plan_table import kernel_to_dict, plan_to_dict
+from ..plans import KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization
+from ..prepare import PreparedPlan, prepare
+from ..runtime import execute
+from .config import ProfileConfig
+from .records import RECORDS_FILE, Progress, append_record, load_progress, request_to_dict
+
+ERROR_CHARS = 600
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One validated plan on one case, ready to time: ``run(i)`` executes it on input set ``i``."""
+
+    plan: PhysicalPlan
+    prepared: PreparedPlan
+    request: Request
+    run: Callable[[int], object]
+    n_sets: int
+    device: torch.device
+    best_ms: float | None  # fastest valid median of this case so far
+
+
+@dataclass(frozen=True)
+class Measured:
+    timing: Timing
+    abandoned: bool = False
+
+
+Measure = Callable[[Trial], Measured]
+
+
+@dataclass(frozen=True)
+class KernelTimer:
+    """The default ``Measure``: one probe run, then warm-ups + median of reps unless hopeless."""
+
+    warmup: int
+    reps: int
+    abandon_factor: float
+
+    def __call__(self, trial: Trial) -> Measured:
+        probe = time_kernel(trial.run, trial.n_sets, 0, 1, trial.device)
+        if self.abandon_factor and trial.best_ms is not None and probe.median_ms > self.abandon_factor * trial.best_ms:
+            return Measured(probe, abandoned=True)
+        return Measured(time_kernel(trial.run, trial.n_sets, self.warmup, self.reps, trial.device))
+
+
+@dataclass(frozen=True)
+class ProfileSummary:
+    records_path: Path
+    cases_total: int
+    cases_done: int  # complete cases in the records file, earlier runs included
+    cases_new: int  # completed by this run
+    plans_measured: int  # (case, plan) records written by this run
+    stopped: str | None  # why the run ended early ("time budget", a CUDA error), None when complete
+    elapsed_s: float
+
+    def __str__(self) -> str:
+        end = f"stopped early: {self.stopped}" if self.stopped else "complete"
+        return (f"{self.cases_done}/{self.cases_total} cases profiled ({self.cases_new} new, {self.plans_measured} "
+                f"plan measurements) in {self.elapsed_s:.0f} s, {end}; records in {self.records_path}")
+
+
+def profiling_kernels(device: torch.device) -> tuple[KernelSpec, ...]:
+    """The native catalog the profiler ranks: the loaded library on CUDA (``CatalogError`` if
+    missing), none elsewhere (the PyTorch executor's plans are used instead)."""
+    if device.type != "cuda":
+        return ()
+    from .. import ops
+
+    return ops.available_kernels()
+
+
+def executor_plans(request: Request) -> list[PhysicalPlan]:
+    """Reference-family plans for a device without native kernels: direct and two-block-coarsened
+    KV tiles, each without and with a two-way split (the executor honours tiles and splits)."""
+    plans = []
+    for tile_kv in (request.block_kv, 2 * request.block_kv):
+        kernel = reference_kernel(request.head_dim, request.dtype, request.block_q, tile_kv)
+        for tasks in (TaskOrganization(), TaskOrganization(num_splits=2)):
+            plans.append(PhysicalPlan(request.block_q, request.block_kv, KvLayout.CONTIGUOUS, tasks, kernel))
+    return plans
+
+
+def case_plans(request: Request, kernels: tuple[KernelSpec, ...],
+               plan_filter: str | None) -> tuple[list[PhysicalPlan], dict[str, str]]:
+    """Eligible plans of one case (catalog plans, or executor plans without a catalog) and the
+    reasons of the rejected ones."""
+    space = plans_for(request.block_q, request.block_kv, kernels) if kernels else executor_plans(request)
+    eligible, rejected = [], {}
+    for plan in space:
+        reason = rejection(plan, request)
+        if reason is not None:
+            rejected[plan.name] = reason
+        elif plan_filter is None or re.search(plan_filter, plan.name):
+            eligible.append(plan)
+    return eligible, rejected
+
+
+def fatal_device_error(err: BaseException) -> bool:
+    """A CUDA error poisons the context: every later launch would fail too."""
+    text = str(err)
+    return isinstance(err, NativeKernelError) or "CUDA error" in text or "illegal memory access" in text
+
+
+class Bars:
+    """Two tqdm bars (cases, plans of the current case), or plain log lines without tqdm."""
+
+    def __init__(self, total: int, enabled: bool, log: Callable[[str], None]):
+        self.log = log
+        self.cases = self.plans = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.cases = tqdm(total=total, unit="case", dynamic_ncols=True, position=0)
+            self.plans = tqdm(total=0, unit="plan", dynamic_ncols=True, position=1, leave=False)
+
+    def start_case(self, name: str, n_plans: int) -> None:
+        if self.cases is not None:
+            self.cases.set_description(name[-50:])
+            self.plans.reset(total=n_plans)
+
+    def plan_done(self, text: str) -> None:
+        if self.plans is not None:
+            self.plans.set_postfix_str(text[-40:])
+            self.plans.update(1)
+
+    def case_done(self, line: str, skipped: bool = False) -> None:
+        if self.cases is not None:
+            self.cases.update(1)
+        elif not skipped:
+            self.log(line)
+
+    def close(self) -> None:
+        for bar in (self.plans, self.cases):
+            if bar is not None:
+                bar.close()
+
+
+def build_problem(size: str, case: CaseSpec, config: ProfileConfig, device: torch.device) -> Problem:
+    mask = case.build(device)
+    info = {"density": mask.density(), "grid": case.grid.name, "seed": case.seed}
+    return Problem(case.name, size, case.family, case.source, mask, config.batch, case.heads, config.head_dim,
+                   dtype_named(config.dtype), case, info)
+
+
+def measure_plan(plan: PhysicalPlan, problem: Problem, state: Any, inputs: list, oracle: OracleCheck,
+                 request: Request, best_ms: float | None, measure: Measure) -> dict:
+    """Validate then time one plan; a plan's own failure is a record, not an exception (a fatal
+    device error is re-raised after it is recorded by the caller)."""
+    record: dict = {"type": "plan", "case": problem.key, "plan": plan.name, "spec": plan_to_dict(plan)}
+    start = time.perf_counter()
+    prepared = prepare(plan, state)
+    scale = problem.scale
+
+    def run(i: int) -> object:
+        return execute(prepared, *inputs[i % len(inputs)], scale, False)
+
+    out = run(0)
+    synchronize(problem.device)
+    record["first_call_ms"] = (time.perf_counter() - start) * 1e3
+    check = oracle.compare(out)
+    del out
+    record["check"] = check.to_dict()
+    if not check.ok:
+        why = "rows without keys are not 0" if check.within_tolerance else (
+            f"max error {check.error:.3g} > {check.tolerance:.3g} allowed (twin error {check.twin_error:.3g})")
+        return {**record, "status": "invalid", "reason": f"output differs from the oracle: {why}"}
+    measured = measure(Trial(plan, prepared, request, run, len(inputs), problem.device, best_ms))
+    timing = measured.timing
+    return {**record, "status": "ok", "latency_ms": timing.median_ms, "samples_ms": list(timing.samples_ms),
+            "timer": timing.timer, "abandoned": measured.abandoned}
+
+
+def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
+                log: Callable[[str], None] = print) -> ProfileSummary:
+    """Profile every case of ``config`` (see the module docstring). Returns what was done; the
+    records are in ``<out_dir>/profile.jsonl``."""
+    started = time.monotonic()
+    deadline = None if config.minutes is None else started + 60.0 * config.minutes
+    device = torch.device(config.device)
+    out_dir = Path(config.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RECORDS_FILE
+    if not config.resume and path.exists():
+        path.unlink()
+    progress = load_progress(path) if config.resume else Progress()
+    if progress.bad_lines:
+        log(f"{path}: skipped {progress.bad_lines} unreadable line(s) (a run cut short mid-write)")
+    kernels = profiling_kernels(device)
+    catalog = {"catalog_hash": catalog_hash(kernels)}
+    append_record(path, {"type": "catalog", **catalog, "kernels": [kernel_to_dict(k) for k in kernels]})
+    measure = measure or KernelTimer(config.warmup, config.reps, config.abandon_factor)
+    cases = config.cases()
+    bars = Bars(len(cases), config.progress, log)
+    stopped, new_cases, new_plans = None, 0, 0
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.monotonic() >= deadline
+
+    try:
+        for index, (size, case) in enumerate(cases):
+            key = f"{size}:{case.name}"
+            if key in progress.done_cases:
+                bars.case_done("", skipped=True)
+                continue
+            if out_of_time():
+                stopped = "time budget"
+                break
+            problem = build_problem(size, case, config, device)
+            request = request_of(problem)
+            plans, rejected = case_plans(request, kernels, config.plan_filter)
+            state = build_mask_state(problem.mask)
+            stats = state.host_stats()
+            plans.sort(key=lambda p: estimate_ms(p, request, stats))  # a good best-so-far early
+            todo = [p for p in plans if (key, p.name) not in progress.done_plans]
+            bars.start_case(key, len(todo))
+            inputs = make_inputs(problem, config.input_sets, config.seed)
+            oracle = OracleCheck(problem, inputs[0], check_heads(problem.heads, config.validate_heads), config.atol)
+            for plan in todo:
+                if out_of_time():
+                    stopped = "time budget"
+                    break
+                try:
+                    record = measure_plan(plan, problem, state, inputs, oracle, request, progress.best_ms.get(key),
+                                          measure)
+                except Exception as err:  # noqa: BLE001  (a plan's failure is a result)
+                    record = {"type": "plan", "case": key, "plan": plan.name, "spec": plan_to_dict(plan),
+                              "status": "failed", "reason": f"{type(err).__name__}: {err}"[:ERROR_CHARS]}
+                    if fatal_device_error(err):
+                        append_record(path, record)
+                        stopped = f"device error on {plan.name} ({type(err).__name__}: {err})"[:ERROR_CHARS]
+                        break
+                append_record(path, record)
+                new_plans += 1
+                progress.done_plans.add((key, plan.name))
+                if record["status"] == "ok":
+                    ms = record["latency_ms"]
+                    progress.best_ms[key] = min(ms, progress.best_ms.get(key, ms))
+                bars.plan_done(f"{record['status']} {plan.name}")
+            if stopped is None:
+                ok = sum(1 for p in plans if (key, p.name) in progress.done_plans)
+                append_record(path, case_record(key, size, case, problem, request, stats, plans, rejected, device,
+                                                catalog))
+                progress.done_cases.add(key)
+                new_cases += 1
+                best = progress.best_ms.get(key)
+                left = "" if deadline is None else f", {max(0.0, deadline - time.monotonic()):.0f} s left"
+                bars.case_done(f"[{index + 1}/{len(cases)}] {key}: {ok} plans, best "
+                               f"{'-' if best is None else f'{best:.3f}'} ms{left}")
+            del problem, inputs, oracle, state
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if stopped is not None:
+                break
+    finally:
+        bars.close()
+    return ProfileSummary(path, len(cases), len(progress.done_cases), new_cases, new_plans, stopped,
+                          time.monotonic() - started)
+
+
+def case_record(key: str, size: str, case: CaseSpec, problem: Problem, request: Request, stats: dict,
+                plans: Sequence[PhysicalPlan], rejected: dict, device: torch.device, catalog: dict) -> dict:
+    return {
+        "type": "case",
+        "case": key,
+        "size": size,
+        "spec": case.to_dict(),
+        "family": case.family,
+        "source": case.source,
+        "group": case.source,  # cross-validation keeps one source in one fold
+        "density": problem.info.get("density"),
+        "request": request_to_dict(request),
+        "key": request.key,
+        "arch": request.arch,
+        "stats": stats,
+        "plans": len(plans),
+        "rejected": rejected,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        **catalog,
+    }

@@ -1,0 +1,213 @@
+"""The table compiler on synthetic latency matrices with a known structure, and the artifact:
+JSON round trip, plain-threshold trees, and a loud refusal of anything corrupt or mismatched."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from tessera_diffusers.catalog import plans_for, portable_kernels
+from tessera_diffusers.eligibility import rejection
+from tessera_diffusers.errors import PlanTableError
+from tessera_diffusers.plan_table import (
+    STAT_NAMES,
+    Buckets,
+    PlanTable,
+    body_digest,
+    load_plan_table,
+)
+from tessera_diffusers.plans import Request
+from tessera_diffusers.profile.compile import CompileOptions, base_plan, compile_table, cv_folds
+from tessera_diffusers.profile.synthetic import synthetic_profile
+
+REQUEST = Request(1, 24, 32768, 32768, 128, "bf16", 64, 64, "sm90")
+PLANS = [p for p in plans_for(64, 64, portable_kernels()) if rejection(p, REQUEST) is None][:6]
+A, B, C, D = PLANS[0], PLANS[1], PLANS[2], PLANS[3]  # D: a slower plan valid everywhere
+THRESHOLD = 0.1
+
+
+def two_regime_latency(plan, request, stats, rng):
+    """A wins below density 0.1, B above; C is near-best but not valid on a fifth of the masks;
+    D is valid everywhere and best by geometric mean (the base plan); the rest are slow."""
+    noise = 1.0 + 0.01 * rng.gauss(0.0, 1.0)
+    low = stats["density"] < THRESHOLD
+    if plan == A:
+        return (1.0 if low else 1.6) * noise
+    if plan == B:
+        return (1.6 if low else 1.0) * noise
+    if plan == C:
+        return None if rng.random() < 0.2 else 1.02 * noise
+    if plan == D:
+        return 1.10 * noise
+    return 2.5 * noise
+
+
+@pytest.fixture(scope="module")
+def two_regimes():
+    profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST], two_regime_latency, 240, groups=4)
+    table, report = compile_table(profile, CompileOptions(min_leaf=32))
+    return profile, table, report
+
+
+def bucket_of(table: PlanTable, request: Request = REQUEST):
+    found = table.lookup(request)
+    assert found.bucket is not None, found.note
+    return found.bucket
+
+
+def test_compiler_learns_the_density_boundary_and_rankings(two_regimes):
+    profile, table, report = two_regimes
+    key = table.keys[REQUEST.key]
+    assert key.base_plan == D.name == base_plan(profile.cases)
+    bucket = bucket_of(table)
+    assert bucket.depth >= 1 and len(bucket.regimes) == 2
+    root = bucket.tree.nodes[0]
+    assert STAT_NAMES[root.stat] == "density" and abs(root.threshold - THRESHOLD) < 0.01
+    assert bucket.tree.stats_used == (STAT_NAMES.index("density"),)  # the noise statistics are not used
+    stats = [0.0] * len(STAT_NAMES)
+    stats[root.stat] = 0.05
+    low = bucket.regimes[bucket.tree.regime_of(stats)]
+    stats[root.stat] = 0.2
+    high = bucket.regimes[bucket.tree.regime_of(stats)]
+    assert low.ranking[0].plan == A.name and high.ranking[0].plan == B.name
+    for regime in bucket.regimes:
+        assert regime.cases >= 32
+        assert regime.ranking[-1].plan == D.name  # every ranking ends with the key's base plan
+        assert C.name not in [r.plan for r in regime.ranking]  # not valid on all of the regime's cases
+        gms = [r.gm_ms for r in regime.ranking]
+        assert gms == sorted(gms)
+    assert "density" in low.rule and "<=" in low.rule
+    (bucket_report,) = report.buckets
+    cv = dict(bucket_report.cv)
+    assert cv[1] < cv[0] and bucket_report.fit_regret < 1.05
+
+
+def test_compiler_keeps_one_regime_without_structure():
+    def flat(plan, request, stats, rng):
+        return (1.0 + 0.1 * PLANS.index(plan)) * (1.0 + 0.01 * rng.gauss(0.0, 1.0))
+
+    profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST], flat, 200, groups=5)
+    table, _ = compile_table(profile, CompileOptions(min_leaf=32))
+    bucket = bucket_of(table)
+    assert bucket.depth == 0 and len(bucket.regimes) == 1 and bucket.tree.stats_used == ()
+    assert bucket.regimes[0].ranking[0].plan == PLANS[0].name
+    assert [r.plan for r in bucket.regimes[0].ranking] == [PLANS[0].name]  # the best is also the base plan
+
+
+def test_too_few_cases_or_one_group_give_one_regime():
+    profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST], two_regime_latency, 60, groups=4)
+    table, report = compile_table(profile, CompileOptions(min_leaf=32))
+    assert len(bucket_of(table).regimes) == 1 and "one regime" in report.buckets[0].note
+    profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST], two_regime_latency, 200, groups=1)
+    table, report = compile_table(profile, CompileOptions(min_leaf=32))
+    assert len(bucket_of(table).regimes) == 1 and "one CV group" in report.buckets[0].note
+
+
+def test_cv_folds_never_split_a_group():
+    groups = np.array([f"s{i % 7}" for i in range(70)])
+    folds = cv_folds(groups, 5)
+    assert len(folds) == 5
+    for train, test in folds:
+        assert not set(groups[train]) & set(groups[test])
+    assert cv_folds(np.array(["only"] * 10), 5) == []
+
+
+def test_buckets_split_request_dims():
+    buckets = Buckets((8, 32), (4096,))
+    assert buckets.of(Request(1, 8, 4096, 4096, 128, "bf16", 64, 64, "sm90")) == (0, 0)
+    assert buckets.of(Request(2, 8, 4097, 100, 128, "bf16", 64, 64, "sm90")) == (1, 1)
+    assert buckets.of(Request(1, 40, 100, 100, 128, "bf16", 64, 64, "sm90")) == (2, 0)
+    assert buckets.label((1, 1)) == "bh9-32/s4097+"
+
+
+def test_requests_and_buckets_become_separate_tables(two_regimes):
+    other = Request(1, 40, 75600, 75600, 128, "bf16", 64, 64, "sm90")
+    profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST, other], two_regime_latency, 80)
+    table, report = compile_table(profile, CompileOptions(min_leaf=32))
+    key = table.keys[REQUEST.key]
+    assert len(key.buckets) == 2 and key.cases == 160
+    assert {b.bucket for b in report.buckets} == {"bh17-32/s16385-40960", "bh33-64/s40961-81920"}
+    assert table.lookup(Request(1, 4, 1024, 1024, 128, "bf16", 64, 64, "sm90")).bucket is None
+    assert table.lookup(Request(1, 24, 32768, 32768, 128, "bf16", 32, 32, "sm90")).key_table is None
+
+
+def test_artifact_round_trips_as_plain_json(two_regimes, tmp_path):
+    _, table, _ = two_regimes
+    path = table.save(tmp_path / "plan_table_sm90.json")
+    text = path.read_text()
+    data = json.loads(text)  # plain JSON: thresholds, names, numbers
+    assert data["schema_version"] == 1 and data["table"]["arch"] == "sm90"
+    assert "pickle" not in text and "sklearn" not in text
+    tree = data["table"]["keys"][REQUEST.key]["buckets"]["2,2"]["tree"]
+    assert tree[0]["stat"] == "density" and isinstance(tree[0]["le"], float)
+    loaded = load_plan_table(path)
+    assert loaded == table
+    rng = random.Random(1)
+    for _ in range(50):
+        stats = [rng.uniform(0, 0.3) for _ in STAT_NAMES]
+        assert bucket_of(loaded).tree.regime_of(stats) == bucket_of(table).tree.regime_of(stats)
+
+
+def resigned(data: dict) -> dict:
+    """``data`` with a valid checksum again (to reach the checks behind the checksum)."""
+    data["sha256"] = body_digest(data["table"])
+    return data
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda d: d.update(schema_version=99), "schema version 99"),
+        (lambda d: d.update(format="other"), "not a Tessera plan table"),
+        (lambda d: d["table"]["keys"][REQUEST.key]["buckets"]["2,2"]["tree"][0].update(le=0.5), "checksum mismatch"),
+        (lambda d: resigned(d) if d["table"]["features"].update(stats=["density", "entropy"]) is None else d,
+         "does not compute"),
+        (lambda d: resigned(d) if d["table"]["keys"][REQUEST.key]["buckets"]["2,2"]["tree"][0].update(left=0) is None
+         else d, "must come after"),
+        (lambda d: resigned(d) if d["table"]["keys"][REQUEST.key]["buckets"]["2,2"]["regimes"][0]["ranking"].pop()
+         else d, "base plan"),
+        (lambda d: resigned(d) if d["table"]["catalog"].update(hash="0" * 16) is None else d,
+         "does not match its own kernel list"),
+        (lambda d: resigned(d) if d["table"]["plans"][A.name]["kernel"].update(stages=7) is None else d,
+         "plan naming changed"),
+    ],
+    ids=["version", "format", "edited", "stat", "cycle", "no-base", "catalog", "plan-name"],
+)
+def test_loader_refuses_corrupt_artifacts(two_regimes, tmp_path, corrupt, message):
+    _, table, _ = two_regimes
+    data = copy.deepcopy(table.to_dict())
+    corrupt(data)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanTableError, match=message):
+        load_plan_table(path)
+
+
+def test_loader_refuses_non_json(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('{"format": "tessera-plan-table", ')
+    with pytest.raises(PlanTableError, match="not JSON"):
+        load_plan_table(path)
+
+
+def test_catalog_mismatch_is_explained(two_regimes):
+    _, table, _ = two_regimes
+    assert table.catalog_mismatch(portable_kernels()) is None
+    why = table.catalog_mismatch(portable_kernels()[:-1])
+    assert why is not None and "re-profile" in why and str(len(portable_kernels()) - 1) in why
+
+
+def test_geometric_mean_ranks_valid_plans_only(two_regimes):
+    profile, table, _ = two_regimes
+    regime = bucket_of(table).regimes[0]
+    names = [r.plan for r in regime.ranking]
+    cases = [c for c in profile.cases
+             if bucket_of(table).tree.regime_of(c.stats) == 0]
+    for name, ranked in zip(names, regime.ranking):
+        gm = math.exp(sum(math.log(c.latencies[name]) for c in cases) / len(cases))
+        assert ranked.gm_ms == pytest.approx(gm)

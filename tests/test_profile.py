@@ -1,0 +1,125 @@
+"""The profiler on the CPU: the smoke run end to end through the CLI (executor plans validated and
+timed, records, resume, table built and used), an injected timing function, the time budget, the
+early abandon of hopeless plans, and plans failing their oracle check."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tessera_diffusers import build_mask_state
+from tessera_diffusers.bench.timing import Timing
+from tessera_diffusers.corpus import CaseSpec
+from tessera_diffusers.plan_table import load_plan_table
+from tessera_diffusers.plans import Request
+from tessera_diffusers.profile import cli
+from tessera_diffusers.profile import runner as runner_module
+from tessera_diffusers.profile.compile import compile_table, load_profile
+from tessera_diffusers.profile.config import ProfileConfig, smoke_config
+from tessera_diffusers.profile.records import RECORDS_FILE, read_records
+from tessera_diffusers.profile.runner import KernelTimer, Measured, Trial, run_profile
+from tessera_diffusers.selector import Selector
+
+TINY = ["--smoke", "--no-progress", "--families", "Q64K64", "--sources", "sliding_tile,temporal_heads"]
+
+
+def records(out) -> list[dict]:
+    return list(read_records([out / RECORDS_FILE]))
+
+
+def test_smoke_profile_builds_a_table_the_selector_uses(tmp_path):
+    out = tmp_path / "p"
+    assert cli.main(TINY + ["--out", str(out)]) == 0
+    recs = records(out)
+    cases = [r for r in recs if r["type"] == "case"]
+    plans = [r for r in recs if r["type"] == "plan"]
+    assert len(cases) == 2 and {c["source"] for c in cases} == {"sliding_tile", "temporal_heads"}
+    assert len(plans) == 2 * 4  # direct and coarsened KV tiles, each with and without a 2-way split
+    for r in plans:
+        assert r["status"] == "ok" and r["check"]["ok"] and r["latency_ms"] > 0
+        assert r["timer"] == "host_monotonic"
+    case = cases[0]
+    assert case["key"] == "cpu/Q64K64/d64/bf16/bshd" and case["group"] == case["source"]
+    assert set(case["stats"]) >= {"density", "run_coverage"} and case["request"]["heads"] == 2
+
+    table = load_plan_table(out / "plan_table_cpu.json")
+    assert "bh1-8/s1-4096" in (out / "compile_report.md").read_text()
+    key = table.keys["cpu/Q64K64/d64/bf16/bshd"]
+    (bucket,) = key.buckets.values()
+    ranking = [r.plan for r in bucket.regimes[0].ranking]
+    assert ranking[-1] == key.base_plan and set(ranking) <= {r["plan"] for r in plans}
+
+    # The online selector takes the table's first plan for a CPU request of that key.
+    mask = CaseSpec.from_dict(case["spec"]).build()
+    chosen = Selector(table=table).select(Request(**case["request"]), build_mask_state(mask))
+    assert chosen is not None and chosen.name == ranking[0]
+
+    # Resuming measures nothing new.
+    assert cli.main(TINY + ["--out", str(out), "--no-compile"]) == 0
+    assert len([r for r in records(out) if r["type"] == "plan"]) == len(plans)
+
+
+def injected(trial: Trial) -> Measured:
+    """Coarsened KV tiles twice as fast, splits a little slower: a known answer."""
+    ms = (1.0 if trial.plan.tile_kv > trial.plan.block_kv else 2.0) * (1.1 if trial.plan.tasks.num_splits > 1 else 1.0)
+    return Measured(Timing((ms,), "injected"))
+
+
+def test_injected_timing_drives_the_ranking(tmp_path):
+    config = smoke_config(tmp_path, families=("Q32K16",), sources=("sliding_tile",), progress=False)
+    summary = run_profile(config, measure=injected, log=lambda m: None)
+    assert summary.cases_new == 1 and summary.stopped is None
+    table, _ = compile_table(load_profile([tmp_path / RECORDS_FILE]))
+    (bucket,) = table.keys["cpu/Q32K16/d64/bf16/bshd"].buckets.values()
+    best = bucket.regimes[0].ranking[0]
+    assert best.gm_ms == 1.0 and "k32_from_q32k16" in best.plan and "split" not in best.plan
+
+
+def test_time_budget_stops_and_resume_continues(tmp_path):
+    config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), minutes=0.0, progress=False)
+    summary = run_profile(config, measure=injected, log=lambda m: None)
+    assert summary.stopped == "time budget" and summary.cases_done == 0
+    assert not [r for r in records(tmp_path) if r["type"] in ("plan", "case")]
+    summary = run_profile(ProfileConfig(**{**config.__dict__, "minutes": None}), measure=injected, log=lambda m: None)
+    assert summary.cases_done == 1 and summary.stopped is None
+
+
+def test_hopeless_plans_keep_one_sample():
+    calls = []
+    trial = Trial(None, None, None, lambda i: (calls.append(i), time.sleep(0.003)), 2, torch.device("cpu"), 0.5)
+    measured = KernelTimer(warmup=3, reps=5, abandon_factor=1.5)(trial)
+    assert measured.abandoned and len(measured.timing.samples_ms) == 1 and len(calls) == 1
+    trial = Trial(None, None, None, lambda i: calls.append(i), 2, torch.device("cpu"), None)
+    measured = KernelTimer(warmup=3, reps=5, abandon_factor=1.5)(trial)
+    assert not measured.abandoned and len(measured.timing.samples_ms) == 5 and len(calls) == 1 + 1 + 3 + 5
+
+
+def test_plans_that_fail_the_oracle_are_recorded_and_never_ranked(tmp_path, monkeypatch):
+    real_execute = runner_module.execute
+
+    def broken_splits(prepared, q, k, v, scale, return_lse):
+        out = real_execute(prepared, q, k, v, scale, return_lse)
+        return out + 0.5 if prepared.plan.tasks.num_splits > 1 else out
+
+    monkeypatch.setattr(runner_module, "execute", broken_splits)
+    out = tmp_path / "p"
+    assert cli.main(TINY + ["--out", str(out), "--max-cases", "1"]) == 1  # an invalid plan: exit status 1
+    invalid = [r for r in records(out) if r.get("status") == "invalid"]
+    assert len(invalid) == 2 and all("split2" in r["plan"] for r in invalid)
+    assert "differs from the oracle" in invalid[0]["reason"]
+    table = load_plan_table(out / "plan_table_cpu.json")
+    assert not [name for name in table.plans if "split" in name]
+
+
+def test_profile_config_lists_cases_rank_major():
+    config = ProfileConfig(out_dir=".", families=("Q64K64", "Q128K128"), sources=("sliding_tile", "text_sink"),
+                           cases_per_combo=2)
+    cases = config.cases()
+    assert len(cases) == 8
+    assert [c.family for _, c in cases[:4]] == ["Q64K64", "Q64K64", "Q128K128", "Q128K128"]
+    assert all(c.split == "profiling" for _, c in cases)
+    assert cases[0][1].seed != cases[4][1].seed and cases[0][1].source == cases[4][1].source
+    with pytest.raises(Exception, match="sizes"):
+        ProfileConfig(out_dir=".", sizes=("huge",))

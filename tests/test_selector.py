@@ -1,0 +1,184 @@
+"""The online selector: regime lookup, ranked fallback over eligibility (reasons kept), the
+(request, regime) cache, bucket/key misses, rejected tables (warned once, then the cost model),
+and the Runtime path with a table on the CPU."""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+
+import pytest
+import torch
+
+from tessera_diffusers import LogicalMask, Runtime, build_mask_state, reference
+from tessera_diffusers.catalog import plans_for, portable_kernels, reference_kernel
+from tessera_diffusers.eligibility import rejection
+from tessera_diffusers.plan_table import TABLE_ENV, body_digest
+from tessera_diffusers.plans import KvLayout, PhysicalPlan, Request, TaskOrganization
+from tessera_diffusers.profile.compile import CompileOptions, compile_table
+from tessera_diffusers.profile.synthetic import synthetic_profile
+from tessera_diffusers.selector import Selector, rank
+from tessera_diffusers.testing import random_mask, random_qkv
+
+SEQ = 4096  # bucket s1-4096: requests down to a handful of tokens share it
+REQUEST = Request(1, 24, SEQ, SEQ, 128, "bf16", 64, 64, "sm90")
+ELIGIBLE = [p for p in plans_for(64, 64, portable_kernels()) if rejection(p, REQUEST) is None]
+SPLIT4 = next(p for p in ELIGIBLE if p.tasks.num_splits == 4)
+DIRECT = next(p for p in ELIGIBLE if p.tasks.num_splits == 1 and p.tile_kv == 64 and p.tile_q == 64)
+WIDE = next(p for p in ELIGIBLE if p.tasks.num_splits == 1 and p.tile_kv == 128)
+PLANS = [SPLIT4, DIRECT, WIDE]
+
+
+def latency(plan, request, stats, rng):
+    """Sparse masks: split4 best, then direct. Denser: the wide tile. Direct is the base plan."""
+    noise = 1.0 + 0.005 * rng.gauss(0.0, 1.0)
+    sparse = stats["density"] < 0.1
+    return noise * {SPLIT4.name: 1.0 if sparse else 1.4, DIRECT.name: 1.05,
+                    WIDE.name: 1.3 if sparse else 1.0}[plan.name]
+
+
+@pytest.fixture(scope="module")
+def table():
+    profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST], latency, 200, groups=4)
+    table, _ = compile_table(profile, CompileOptions(min_leaf=32))
+    assert table.keys[REQUEST.key].base_plan == DIRECT.name
+    return table
+
+
+def state_with_density(density: float, seed: int = 0, seq: int = SEQ):
+    return build_mask_state(random_mask(1, 2, seq, seq, 64, 64, density=density, empty_rows=False, seed=seed))
+
+
+def test_regime_lookup_then_cache_per_regime(table):
+    selector = Selector(table=table, kernels=portable_kernels())
+    sparse, dense = state_with_density(0.05), state_with_density(0.4)
+    assert sparse.stat(0) < 0.1 < dense.stat(0)
+    assert selector.select(REQUEST, sparse) == SPLIT4
+    assert selector.select(REQUEST, dense) == WIDE
+    assert selector.scans == 2 and selector.regime_hits == 0
+    assert selector.select(REQUEST, state_with_density(0.06, seed=5)) == SPLIT4  # new mask, same regime
+    assert selector.scans == 2 and selector.regime_hits == 1
+    selection = selector.selection(REQUEST, sparse)
+    assert selection.source == "plan table" and selection.regime is not None and "density <=" in selection.regime.rule
+
+
+def test_ranked_fallback_keeps_the_reasons(table):
+    short = Request(1, 24, SEQ, 100, 128, "bf16", 64, 64, "sm90")  # same bucket, two KV blocks: no 4-way split
+    selector = Selector(table=table, kernels=portable_kernels())
+    blocks = torch.zeros(1, 2, SEQ // 64, 2, dtype=torch.bool)
+    blocks[:, :, ::20, 1] = True  # sparse: the split-K regime
+    state = build_mask_state(LogicalMask(blocks, 64, 64, SEQ, 100))
+    assert selector.select(short, state) == DIRECT
+    full = selector.rank(short, state)
+    assert full.rejected[0][0] == SPLIT4.name and "splits_are_useful" in full.rejected[0][1]
+    text = full.explain()
+    for part in ("regime", "ranking", "rejected (1)", SPLIT4.name, f"chosen   {DIRECT.name}"):
+        assert part in text
+
+
+def test_bucket_miss_gives_the_base_plan_and_key_miss_the_cost_model(table):
+    selector = Selector(table=table, kernels=portable_kernels())
+    big = Request(1, 24, 75600, 75600, 128, "bf16", 64, 64, "sm90")
+    selection = selector.selection(big, state_with_density(0.05))
+    assert selection.chosen == DIRECT and selection.source == "plan table"
+    assert "not profiled" in " ".join(selection.notes)
+    other_key = Request(1, 24, SEQ, SEQ, 128, "bf16", 128, 128, "sm90")
+    mask = random_mask(1, 2, SEQ, SEQ, 128, 128, density=0.2, empty_rows=False)
+    selection = selector.selection(other_key, build_mask_state(mask))
+    assert selection.source == "cost model" and selection.chosen is not None
+    assert "not profiled" in " ".join(selection.notes)
+
+
+def test_selector_without_table_ranks_with_the_cost_model():
+    state = state_with_density(0.1)
+    with_model = Selector(table=None, kernels=portable_kernels()).selection(REQUEST, state)
+    assert with_model.source == "cost model" and with_model.regime is None
+    assert with_model.chosen.name == with_model.ranking[0][0]
+    assert rank(REQUEST, state, assume_native=True, table=None).chosen == with_model.chosen
+
+
+def test_mismatched_catalog_warns_once_and_uses_the_cost_model(table):
+    messages: list[str] = []
+    selector = Selector(table=table, kernels=portable_kernels()[:-1])
+    for seed in range(3):
+        plan = selector.select(REQUEST, state_with_density(0.05, seed=seed), warn=messages.append)
+        assert plan is not None
+    assert len(messages) == 1 and "PlanTableError" in messages[0] and "catalog" in messages[0]
+    selection = selector.selection(REQUEST, state_with_density(0.05))
+    assert selection.source == "cost model" and "rejected" in selection.notes[0]
+
+
+def test_corrupt_table_from_the_environment_warns_and_falls_back(table, tmp_path, monkeypatch):
+    data = table.to_dict()
+    data["table"]["keys"][REQUEST.key]["base_plan"] = SPLIT4.name  # edited by hand: checksum fails
+    path = tmp_path / "plan_table_sm90.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv(TABLE_ENV, str(path))
+    with pytest.warns(UserWarning, match="checksum mismatch") as caught:
+        selection = Selector(kernels=portable_kernels()).selection(REQUEST, state_with_density(0.05))
+    assert len([w for w in caught if "PlanTableError" in str(w.message)]) == 1
+    assert selection.source == "cost model"
+    # The same table, valid, is used through the environment variable.
+    path.write_text(json.dumps(table.to_dict()))
+    data = table.to_dict()
+    assert data["sha256"] == body_digest(data["table"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Selector(kernels=portable_kernels()).select(REQUEST, state_with_density(0.05)) == SPLIT4
+
+
+def cpu_table():
+    """A CPU table over two executor plans (the slower-looking one ranked first, so the choice is
+    visibly the table's)."""
+    request = Request(1, 2, 1000, 1000, 64, "fp32", 64, 64, "cpu")
+    kernel = reference_kernel(64, "fp32", 64, 128)
+    split = PhysicalPlan(64, 64, KvLayout.CONTIGUOUS, TaskOrganization(num_splits=2), kernel)
+    plain = PhysicalPlan(64, 64, KvLayout.CONTIGUOUS, TaskOrganization(), reference_kernel(64, "fp32", 64, 64))
+
+    def lat(plan, req, stats, rng):
+        return 1.0 if plan == split else 2.0
+
+    profile = synthetic_profile("cpu", (), [split, plain], [request], lat, 8)
+    table, _ = compile_table(profile, CompileOptions(min_leaf=32))
+    return table, split
+
+
+def test_runtime_runs_the_table_choice_on_cpu_and_explains():
+    table, split = cpu_table()
+    runtime = Runtime(selector=Selector(table=table))
+    mask = random_mask(1, 2, 1000, 1000, 64, 64, density=0.3)
+    q, k, v = random_qkv(1, 1000, 1000, 2, 64, torch.float32, "cpu")
+    out = runtime.attention(q, k, v, mask)
+    assert runtime._cache[next(iter(runtime._cache))][1].plan == split
+    torch.testing.assert_close(out, reference.attention(q, k, v, mask), atol=2e-5, rtol=1e-5)
+    buffer = io.StringIO()
+    selection = runtime.explain(q, k, v, mask, file=buffer)
+    assert selection.chosen == split and f"chosen   {split.name}" in buffer.getvalue()
+    assert "regime   cpu/Q64K64/d64/fp32/bshd" in buffer.getvalue()
+    # Without a table the CPU keeps the reference oracle.
+    assert Runtime().explain(q, k, v, mask, file=io.StringIO()).chosen is None
+
+
+def test_every_ranked_plan_rejected_falls_back_to_the_cost_model(table):
+    # A Q64K64 sm90 table asked about a request its plans cannot serve on sm86 (shared memory).
+    sm86 = Request(1, 24, SEQ, SEQ, 128, "bf16", 64, 64, "sm86")
+    profile = synthetic_profile("sm86", portable_kernels(), PLANS, [sm86], latency, 8)
+    small_table, _ = compile_table(profile, CompileOptions(min_leaf=32))
+    big = [p for p in plans_for(64, 64, portable_kernels()) if p.kernel.smem_bytes > 110_000 and p.kernel.head_dim == 128
+           and p.kernel.dtype == "bf16"][:2]
+    profile = synthetic_profile("sm86", portable_kernels(), big, [sm86], lambda p, r, s, g: 1.0, 8)
+    only_big, _ = compile_table(profile, CompileOptions(min_leaf=32))
+    selector = Selector(table=only_big, kernels=portable_kernels())
+    selection = selector.selection(sm86, state_with_density(0.05))
+    assert selection.source == "cost model" and selection.chosen is not None
+    assert rejection(selection.chosen, sm86) is None
+    assert "every plan of the regime's ranking was rejected" in selection.notes[-1]
+    assert Selector(table=small_table, kernels=portable_kernels()).selection(sm86, state_with_density(0.05)).source \
+        == "plan table"
+
+
+def test_rank_on_cpu_without_table_is_the_oracle():
+    mask = LogicalMask.dense(256, 256, 64, 64)
+    selection = rank(Request(1, 2, 256, 256, 64, "bf16", 64, 64, "cpu"), build_mask_state(mask))
+    assert selection.chosen is None and "reference oracle" in selection.explain()
