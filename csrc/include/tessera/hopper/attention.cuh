@@ -10,7 +10,8 @@
 
 #include "tessera/hopper/traits.cuh"
 #include "tessera/params.h"
-#include "tessera/portable/attention.cuh"  // Task, decode_task, TileMeta, cp.async wrappers
+#include "tessera/portable/ptx.cuh"  // cp.async wrappers, fast_exp2
+#include "tessera/tasks.cuh"
 
 namespace tessera::hopper {
 
@@ -18,10 +19,10 @@ using portable::cp_async_16;
 using portable::cp_async_commit;
 using portable::cp_async_wait;
 using portable::fast_exp2;
-using portable::Task;
-using portable::TileMeta;
-
-constexpr float kLn2 = 0.69314718055994530942f;
+using tessera::decode_task;
+using tessera::Task;
+template <class T>
+using TileMeta = tessera::TileMeta<T::kMaxSlots>;
 
 // One wgmma GEMM over all k blocks of its operands, waited for before returning.
 template <bool kZeroInit, class Mma, class TA, class TB, class TC>
@@ -67,8 +68,7 @@ __device__ __forceinline__ void load_kv_tile(const TesseraAttnParams& p, const T
   using Element = typename T::Element;
   const Element* k = static_cast<const Element*>(p.k);
   const Element* v = static_cast<const Element*>(p.v);
-  const int64_t meta_tile = t.meta_row * p.capacity + tile;
-  const int32_t* slots = p.tile_slots + meta_tile * p.slots;
+  const int32_t* slots = tessera::tile_slots(p, t, tile);
   const int unit_mask = (1 << p.kv_unit_log2) - 1;
   constexpr int kIters = T::kTileKV * T::kChunksPerRow / T::kThreads;
   constexpr int kRowStep = T::kThreads / T::kChunksPerRow;
@@ -85,16 +85,7 @@ __device__ __forceinline__ void load_kv_tile(const TesseraAttnParams& p, const T
     cp_async_16(portable::smem_addr(&sK(row, chunk * T::kChunkElems, st)), k_base + tok * p.k_stride[1], ok ? 16 : 0);
     cp_async_16(portable::smem_addr(&sV(row, chunk * T::kChunkElems, st)), v_base + tok * p.v_stride[1], ok ? 16 : 0);
   }
-  if (threadIdx.x < p.slots) meta.slot_start[threadIdx.x] = __ldg(slots + threadIdx.x);
-  if (threadIdx.x == 0) {
-    const unsigned long long member = static_cast<unsigned long long>(__ldg(p.tile_member + meta_tile));
-    const int bits = (T::kTileQ >> p.q_unit_log2) * p.slots;
-    const unsigned long long all = bits >= 64 ? ~0ull : ((1ull << bits) - 1ull);
-    const int last = __ldg(slots + p.slots - 1);
-    meta.member = member;
-    meta.partial = last < 0 || last + (1 << p.kv_unit_log2) > p.seq_kv;
-    meta.needs_mask = member != all || meta.partial;
-  }
+  tessera::read_tile_meta<T::kTileQ>(p, t, tile, meta);
 }
 
 template <class T>
@@ -129,9 +120,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const __grid_
   constexpr int kOVals = T::kHeadDim / 2;
   const int row_of_half[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
 
-  const int64_t num_tasks = int64_t(p.num_q_tiles) * p.batch * p.heads * p.num_splits;
-  for (int64_t task_id = blockIdx.x; task_id < num_tasks; task_id += gridDim.x) {
-    const Task t = portable::decode_task(p, task_id);
+  const int64_t tasks = tessera::num_tasks(p);
+  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
+    const Task t = decode_task(p, task_id);
     const int n_tiles = t.tile_end - t.tile_begin;
 
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{});
@@ -223,7 +214,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const __grid_
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const bool has_key = sum > 0.f;
       inv[half] = has_key ? 1.f / sum : 0.f;
-      lse[half] = has_key ? row_max[half] * kLn2 + logf(sum) : -CUDART_INF_F;
+      lse[half] = tessera::row_lse(row_max[half], sum);
     }
     const bool split = p.num_splits > 1;
     CUTE_UNROLL
@@ -261,22 +252,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const __grid_
 
 template <class T>
 int launch_attention(const TesseraAttnParams& p, cudaStream_t stream) {
-  auto kernel = attention_kernel<T>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
-  if (err != cudaSuccess) return int(err);
-  const int64_t num_tasks = int64_t(p.num_q_tiles) * p.batch * p.heads * p.num_splits;
-  if (num_tasks == 0) return 0;
-  const int64_t grid = p.grid_size > 0 && p.grid_size < num_tasks ? p.grid_size : num_tasks;
-  kernel<<<dim3(unsigned(grid)), dim3(T::kThreads), T::kSmemBytes, stream>>>(p);
-  return int(cudaGetLastError());
+  return tessera::launch_tasks(attention_kernel<T>, T::kThreads, T::kSmemBytes, p, stream);
 }
 
 template <class T>
 int ctas_per_sm() {
-  int blocks = 0;
-  cudaFuncSetAttribute(attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attention_kernel<T>, T::kThreads, T::kSmemBytes);
-  return blocks;
+  return tessera::occupancy(attention_kernel<T>, T::kThreads, T::kSmemBytes);
 }
 
 }  // namespace tessera::hopper

@@ -8,51 +8,16 @@
 #include <stdint.h>
 
 #include "tessera/params.h"
+#include "tessera/tasks.cuh"
 #include "tessera/portable/ptx.cuh"
 #include "tessera/portable/traits.cuh"
 
 namespace tessera::portable {
 
-constexpr float kLn2 = 0.69314718055994530942f;
-
-// One CTA task: a query tile of one (b, h), and the part of its KV tile list it handles.
-struct Task {
-  int b, h;
-  int q_tile;           // which query tile (after traversal order)
-  int split;
-  int tile_begin, tile_end;
-  int64_t meta_row;     // (mb * Hm + mh) * nQT + q_tile: row of the metadata tensors
-};
-
-__device__ __forceinline__ Task decode_task(const TesseraAttnParams& p, int64_t task_id) {
-  Task t;
-  const int64_t bh_count = int64_t(p.batch) * p.heads;
-  t.split = int(task_id % p.num_splits);
-  const int64_t rest = task_id / p.num_splits;
-  const int bh = int(rest % bh_count);
-  const int rank = int(rest / bh_count);
-  t.b = bh / p.heads;
-  t.h = bh % p.heads;
-  const int mb = p.mask_batch == 1 ? 0 : t.b;
-  const int mh = p.mask_heads == 1 ? 0 : t.h;
-  const int64_t mask_row = (int64_t(mb) * p.mask_heads + mh) * p.num_q_tiles;
-  t.q_tile = p.q_order[mask_row + rank];
-  t.meta_row = mask_row + t.q_tile;
-  const int count = p.tile_counts[t.meta_row];
-  const int per = (count + p.num_splits - 1) / p.num_splits;
-  t.tile_begin = min(t.split * per, count);
-  t.tile_end = min(t.tile_begin + per, count);
-  return t;
-}
-
-// Per-stage description of the KV tile in flight, written by the loader, read by the compute.
+using tessera::decode_task;
+using tessera::Task;
 template <class T>
-struct TileMeta {
-  int slot_start[T::kMaxSlots];
-  unsigned long long member;
-  int needs_mask;  // some (row, column) of the tile is inactive or past Skv
-  int partial;     // the tile reaches past Skv (the last, partial block)
-};
+using TileMeta = tessera::TileMeta<T::kMaxSlots>;
 
 template <class T>
 __device__ __forceinline__ void load_q_tile(const TesseraAttnParams& p, const Task& t,
@@ -81,8 +46,7 @@ __device__ __forceinline__ void load_kv_tile(const TesseraAttnParams& p, const T
   using Element = typename T::Element;
   const Element* k = static_cast<const Element*>(p.k);
   const Element* v = static_cast<const Element*>(p.v);
-  const int64_t meta_tile = t.meta_row * p.capacity + tile;
-  const int32_t* slots = p.tile_slots + meta_tile * p.slots;
+  const int32_t* slots = tessera::tile_slots(p, t, tile);
   const int unit_mask = (1 << p.kv_unit_log2) - 1;
   constexpr int kIters = T::kTileKV * T::kChunksPerRow / T::kThreads;
   constexpr int kRowStep = T::kThreads / T::kChunksPerRow;
@@ -100,16 +64,7 @@ __device__ __forceinline__ void load_kv_tile(const TesseraAttnParams& p, const T
     cp_async_16(smem_addr(sK + dst), k_base + tok * p.k_stride[1], ok ? 16 : 0);
     cp_async_16(smem_addr(sV + dst), v_base + tok * p.v_stride[1], ok ? 16 : 0);
   }
-  if (threadIdx.x < p.slots) meta.slot_start[threadIdx.x] = __ldg(slots + threadIdx.x);
-  if (threadIdx.x == 0) {
-    const unsigned long long member = static_cast<unsigned long long>(__ldg(p.tile_member + meta_tile));
-    const int bits = (T::kTileQ >> p.q_unit_log2) * p.slots;
-    const unsigned long long all = bits >= 64 ? ~0ull : ((1ull << bits) - 1ull);
-    const int last = __ldg(slots + p.slots - 1);
-    meta.member = member;
-    meta.partial = last < 0 || last + (1 << p.kv_unit_log2) > p.seq_kv;
-    meta.needs_mask = member != all || meta.partial;
-  }
+  tessera::read_tile_meta<T::kTileQ>(p, t, tile, meta);
 }
 
 // Online-softmax state of the rows one thread touches: [m tile][row half (g, g + 8)].
@@ -301,7 +256,7 @@ __device__ __forceinline__ void store_tile(const TesseraAttnParams& p, const Tas
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const bool has_key = sum > 0.f;
       const float inv = has_key ? 1.f / sum : 0.f;
-      const float lse = has_key ? state.max[m][half] * kLn2 + logf(sum) : -CUDART_INF_F;
+      const float lse = tessera::row_lse(state.max[m][half], sum);
       const int row = t.q_tile * T::kTileQ + warp_row0 + m * 16 + g + 8 * half;
       if (row >= p.seq_q) continue;
       const int64_t bh_row = (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
@@ -340,8 +295,8 @@ __global__ void __launch_bounds__(T::kThreads) attention_kernel(const __grid_con
   const LaneOffsets<T> lanes;
   const uint32_t q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
   constexpr uint32_t kStageBytes = T::kSmemKVElems * sizeof(Element);
-  const int64_t num_tasks = int64_t(p.num_q_tiles) * p.batch * p.heads * p.num_splits;
-  for (int64_t task_id = blockIdx.x; task_id < num_tasks; task_id += gridDim.x) {
+  const int64_t tasks = tessera::num_tasks(p);
+  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
     const Task t = decode_task(p, task_id);
     const int n_tiles = t.tile_end - t.tile_begin;
 
@@ -390,24 +345,12 @@ __global__ void __launch_bounds__(T::kThreads) attention_kernel(const __grid_con
 
 template <class T>
 int launch_attention(const TesseraAttnParams& p, cudaStream_t stream) {
-  auto kernel = attention_kernel<T>;
-  // Dynamic plus static shared memory may pass 48 KB even when the dynamic part alone does not;
-  // the attribute is per device, so it is set on every launch (a host-side call of ~1 us).
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
-  if (err != cudaSuccess) return int(err);
-  const int64_t num_tasks = int64_t(p.num_q_tiles) * p.batch * p.heads * p.num_splits;
-  if (num_tasks == 0) return 0;
-  const int64_t grid = p.grid_size > 0 && p.grid_size < num_tasks ? p.grid_size : num_tasks;
-  kernel<<<dim3(unsigned(grid)), dim3(T::kThreads), T::kSmemBytes, stream>>>(p);
-  return int(cudaGetLastError());
+  return tessera::launch_tasks(attention_kernel<T>, T::kThreads, T::kSmemBytes, p, stream);
 }
 
 template <class T>
 int ctas_per_sm() {
-  int blocks = 0;
-  cudaFuncSetAttribute(attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attention_kernel<T>, T::kThreads, T::kSmemBytes);
-  return blocks;
+  return tessera::occupancy(attention_kernel<T>, T::kThreads, T::kSmemBytes);
 }
 
 }  // namespace tessera::portable

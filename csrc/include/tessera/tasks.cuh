@@ -1,0 +1,110 @@
+// What every kernel family shares: CTA task decoding over the prepared-plan metadata, the per-stage
+// description of a KV tile, and the host-side launch (grid, shared memory, persistent grids).
+// The metadata format is documented in tessera_diffusers/prepare.py.
+#pragma once
+#include <cuda_runtime.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#include "tessera/params.h"
+
+namespace tessera {
+
+constexpr float kLn2 = 0.69314718055994530942f;
+
+// One CTA task: a query tile of one (b, h), and the part of its KV tile list it handles.
+struct Task {
+  int b, h;
+  int q_tile;        // which query tile (after traversal order)
+  int split;
+  int tile_begin, tile_end;
+  int64_t meta_row;  // (mb * Hm + mh) * nQT + q_tile: row of the metadata tensors
+};
+
+__host__ __device__ inline int64_t num_tasks(const TesseraAttnParams& p) {
+  return int64_t(p.num_q_tiles) * p.batch * p.heads * p.num_splits;
+}
+
+// Tasks are numbered rank-major, task = (rank * B * H + b * H + h) * num_splits + split, so the
+// longest rows of every head start first.
+__device__ __forceinline__ Task decode_task(const TesseraAttnParams& p, int64_t task_id) {
+  Task t;
+  const int64_t bh_count = int64_t(p.batch) * p.heads;
+  t.split = int(task_id % p.num_splits);
+  const int64_t rest = task_id / p.num_splits;
+  const int bh = int(rest % bh_count);
+  const int rank = int(rest / bh_count);
+  t.b = bh / p.heads;
+  t.h = bh % p.heads;
+  const int mb = p.mask_batch == 1 ? 0 : t.b;
+  const int mh = p.mask_heads == 1 ? 0 : t.h;
+  const int64_t mask_row = (int64_t(mb) * p.mask_heads + mh) * p.num_q_tiles;
+  t.q_tile = p.q_order[mask_row + rank];
+  t.meta_row = mask_row + t.q_tile;
+  const int count = p.tile_counts[t.meta_row];
+  const int per = (count + p.num_splits - 1) / p.num_splits;
+  t.tile_begin = min(t.split * per, count);
+  t.tile_end = min(t.tile_begin + per, count);
+  return t;
+}
+
+// Per-stage description of the KV tile in flight, written by the loader, read by the compute.
+template <int kMaxSlots>
+struct TileMeta {
+  int slot_start[kMaxSlots];
+  unsigned long long member;
+  int needs_mask;  // some (row, column) of the tile is inactive or past Skv
+  int partial;     // the tile reaches past Skv (the last, partial block)
+};
+
+// First slot index of KV tile `tile` of task `t` (the loaders read tile_slots from here).
+__device__ __forceinline__ const int32_t* tile_slots(const TesseraAttnParams& p, const Task& t, int tile) {
+  return p.tile_slots + (t.meta_row * p.capacity + tile) * p.slots;
+}
+
+// Fill `meta` for KV tile `tile` (threads 0..slots-1 write the slot starts, thread 0 the rest).
+template <int kTileQ, int kMaxSlots>
+__device__ __forceinline__ void read_tile_meta(const TesseraAttnParams& p, const Task& t, int tile,
+                                               TileMeta<kMaxSlots>& meta) {
+  const int32_t* slots = tile_slots(p, t, tile);
+  if (threadIdx.x < p.slots) meta.slot_start[threadIdx.x] = __ldg(slots + threadIdx.x);
+  if (threadIdx.x == 0) {
+    const unsigned long long member =
+        static_cast<unsigned long long>(__ldg(p.tile_member + t.meta_row * p.capacity + tile));
+    const int bits = (kTileQ >> p.q_unit_log2) * p.slots;
+    const unsigned long long all = bits >= 64 ? ~0ull : ((1ull << bits) - 1ull);
+    const int last = __ldg(slots + p.slots - 1);
+    meta.member = member;
+    meta.partial = last < 0 || last + (1 << p.kv_unit_log2) > p.seq_kv;
+    meta.needs_mask = member != all || meta.partial;
+  }
+}
+
+// Log-sum-exp of a row from its running max (log2 domain, scaled) and its sum; -inf when empty.
+__device__ __forceinline__ float row_lse(float max_log2, float sum) {
+  return sum > 0.f ? max_log2 * kLn2 + logf(sum) : -CUDART_INF_F;
+}
+
+// Launch `kernel` with one CTA per task, or a persistent grid of p.grid_size CTAs.
+template <class Kernel>
+int launch_tasks(Kernel kernel, int threads, int smem_bytes, const TesseraAttnParams& p, cudaStream_t stream) {
+  // Dynamic plus static shared memory may pass 48 KB even when the dynamic part alone does not;
+  // the attribute is per device, so it is set on every launch (a host-side call of ~1 us).
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err != cudaSuccess) return int(err);
+  const int64_t tasks = num_tasks(p);
+  if (tasks == 0) return 0;
+  const int64_t grid = p.grid_size > 0 && p.grid_size < tasks ? p.grid_size : tasks;
+  kernel<<<dim3(unsigned(grid)), dim3(threads), smem_bytes, stream>>>(p);
+  return int(cudaGetLastError());
+}
+
+template <class Kernel>
+int occupancy(Kernel kernel, int threads, int smem_bytes) {
+  int blocks = 0;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes);
+  return blocks;
+}
+
+}  // namespace tessera
