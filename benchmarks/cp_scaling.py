@@ -239,9 +239,11 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
         m = sparsifier(ql, kl, layer=0, step=0, grid=problem.grid) if recompute else mask
         return layout.to_raster(runtime.attention(ql, kl, vl, m))
 
-    def n_gpus(recompute: bool, runtime: Runtime) -> torch.Tensor:
-        ql, kl, vl = (layout.to_layout(t) for t in ulysses.scatter_heads(q_loc, k_loc, v_loc))
-        m = sparsifier(ql, kl, layer=0, step=0, grid=problem.grid) if recompute else local
+    def n_gpus(recompute: bool, runtime: Runtime) -> torch.Tensor:  # as parallel.ulysses_wan_self_attention
+        pending = ulysses.scatter_heads_async(q_loc, k_loc, v_loc)
+        ql, kl = (layout.to_layout(p.wait()) for p in pending[:2])
+        m = sparsifier(ql, kl, layer=0, step=0, grid=problem.grid) if recompute else local  # overlaps v's transfer
+        vl = layout.to_layout(pending[2].wait())
         return ulysses.gather_heads(layout.to_raster(runtime.attention(ql, kl, vl, m)))
 
     reps, warmup = args.reps, args.warmup

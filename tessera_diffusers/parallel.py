@@ -4,7 +4,8 @@ Under Ulysses each of ``N`` ranks holds ``S / N`` tokens outside attention. Befo
 all-to-all trades sequence for heads (every rank gets all ``S`` tokens of ``H / N`` heads), after it
 a second all-to-all trades them back. Block-sparse attention is per head, so a rank runs Tessera
 on its heads with its heads' slice of the mask (``LogicalMask.select_heads``; a broadcast head dim
-stays broadcast) and its own prepared plan; the result equals single-process attention exactly.
+stays broadcast) and its own prepared plan; the result is single-process attention (bit for bit
+when both pick the same plan; a plan chosen for ``H / N`` heads may round differently).
 
 Raw function (tokens in rank chunks of the mask's token order)::
 
@@ -44,13 +45,16 @@ HunyuanVideo-1.5 has no ``_cp_plan`` in diffusers 0.42.1 and its joint attention
 context parallelism. Sparsifiers see the rank's heads only: per-head sparsifiers (SSTA, static,
 dense warm-up) give exactly the single-process masks; a sparsifier whose decision couples heads
 (``AdaptiveSparsifier`` chooses one block geometry from the mean over heads) decides per rank.
-Inference only: the all-to-alls are not differentiable.
+Inference only: the all-to-alls are not differentiable. On a CPU-only torch, diffusers 0.42.1's
+``enable_parallelism`` fails with ``ZeroDivisionError`` (``rank % torch.accelerator.device_count()``
+with no accelerator); the CPU tests and ``cp_scaling.py --smoke`` give it a count of 1 per process.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -168,10 +172,14 @@ class Ulysses:
     def scatter_heads(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Sequence chunks in, head slices out: each ``[B, S/N, H, D]`` -> ``[B, S, H/N, D]`` (the
         chunks of ranks ``0..N-1`` in order). The exchanges are issued together, then awaited."""
+        return [pending.wait() for pending in self.scatter_heads_async(*tensors)]
+
+    def scatter_heads_async(self, *tensors: torch.Tensor) -> list[PendingExchange]:
+        """``scatter_heads`` without waiting: work queued before a ``wait()`` overlaps the transfer."""
         for i, t in enumerate(tensors):
             check_4d(f"tensors[{i}]", t)
             self.head_range(t.shape[2])
-        return self.exchange(tensors, scatter_dim=2, gather_dim=1)
+        return [self.exchange_async(t, scatter_dim=2, gather_dim=1) for t in tensors]
 
     def gather_heads(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse of ``scatter_heads``: ``[B, S, H/N, D]`` -> ``[B, S/N, H, D]``."""
@@ -191,23 +199,40 @@ class Ulysses:
     def exchange(self, tensors: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int) -> list[torch.Tensor]:
         """All-to-all: dim ``scatter_dim`` is cut into ``N`` equal pieces, piece ``j`` goes to rank
         ``j``; the pieces received are concatenated along ``gather_dim`` in rank order."""
+        pending = [self.exchange_async(x, scatter_dim, gather_dim) for x in tensors]
+        return [p.wait() for p in pending]
+
+    def exchange_async(self, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> PendingExchange:
+        """``exchange`` of one tensor, issued and not awaited."""
         if self.degree == 1:
-            return list(tensors)
+            return PendingExchange(x, x, None, gather_dim)
         n = self.degree
-        sends, recvs, works = [], [], []
-        for x in tensors:
-            send = x.unflatten(scatter_dim, (n, x.shape[scatter_dim] // n)).movedim(scatter_dim, 0).contiguous()
-            recv = torch.empty_like(send)
-            works.append(dist.all_to_all_single(recv, send, group=self.group, async_op=True))
-            sends.append(send)
-            recvs.append(recv)
-        for work in works:
-            work.wait()
-        # recv[j] is rank j's piece: [N, ...] -> N just before the gather dim, then merged into it.
-        return [recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1) for recv in recvs]
+        send = x.unflatten(scatter_dim, (n, x.shape[scatter_dim] // n)).movedim(scatter_dim, 0).contiguous()
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        return PendingExchange(send, recv, work, gather_dim)
 
     def __repr__(self) -> str:
         return f"Ulysses(rank={self.rank}, degree={self.degree})"
+
+
+@dataclass(eq=False)
+class PendingExchange:
+    """An all-to-all in flight (the send buffer is kept alive with it); ``wait()`` returns the
+    received pieces concatenated along the gather dim (on a GPU the wait orders the current stream
+    after the transfer and does not block the host)."""
+
+    send: torch.Tensor  # [N, ...] piece j for rank j
+    recv: torch.Tensor  # [N, ...] piece j from rank j
+    work: Any  # torch.distributed Work, None without a transfer (degree 1)
+    gather_dim: int
+
+    def wait(self) -> torch.Tensor:
+        if self.work is None:
+            return self.recv
+        self.work.wait()
+        # recv[j] is rank j's piece: [N, ...] -> N just before the gather dim, then merged into it.
+        return self.recv.movedim(0, self.gather_dim).flatten(self.gather_dim, self.gather_dim + 1)
 
 
 def check_4d(name: str, t: Any) -> None:
@@ -314,9 +339,10 @@ def ulysses_wan_self_attention(
         query = apply_wan_rotary(query, cos, sin)
         key = apply_wan_rotary(key, cos, sin)
 
-    query, key, value = ulysses.scatter_heads(query, key, value)  # [B, S, H/N, D], raster order
-    query, key, value = (layout.to_layout(t) for t in (query, key, value))
-    mask, slot = processor.video_mask(route, call, layout, query, key)  # sliced to this rank's heads
+    pending = ulysses.scatter_heads_async(query, key, value)  # -> [B, S, H/N, D], raster order
+    query, key = (layout.to_layout(p.wait()) for p in pending[:2])
+    mask, slot = processor.video_mask(route, call, layout, query, key)  # this rank's heads; overlaps v's transfer
+    value = layout.to_layout(pending[2].wait())
     if mask is None:
         out = processor.dense_attention(query, key, value)
     else:
