@@ -50,9 +50,13 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # The processors import diffusers; load them only when asked for.
+    # The processors and the context-parallel path import diffusers; load them only when asked for.
     if name == "TesseraProcessor":
         from .processors import TesseraProcessor
 
         return TesseraProcessor
+    if name in ("Ulysses", "ulysses_attention"):
+        from . import parallel
+
+        return getattr(parallel, name)
     raise AttributeError(f"module 'tessera_diffusers' has no attribute {name!r}")
