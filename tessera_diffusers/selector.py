@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .catalog import plans_for, portable_kernels
+from .catalog import all_kernels, plans_for
 from .cost_model import estimate_ms
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
@@ -294,7 +294,7 @@ def native_candidates(request: Request, assume_native: bool = False) -> tuple[li
     if request.arch == "cpu":
         return [], "CPU tensors run on the reference path"
     if assume_native:
-        return plans_for(request.block_q, request.block_kv, portable_kernels()), None
+        return plans_for(request.block_q, request.block_kv, all_kernels()), None
     kernels, why_none = discover_kernels(request.arch)
     if not kernels:
         return [], why_none
@@ -304,8 +304,8 @@ def native_candidates(request: Request, assume_native: bool = False) -> tuple[li
 def rank(request: Request, state: MaskState, assume_native: bool = False,
          table: PlanTable | str | None = AUTO) -> Selection:
     """The full decision for one request with a fresh Selector (``assume_native``: rank the whole
-    kernel table, to explain plans on a machine without the native library)."""
-    return Selector(table=table, kernels=portable_kernels() if assume_native else None).rank(request, state)
+    kernel table — a full build — to explain plans on a machine without the native library)."""
+    return Selector(table=table, kernels=all_kernels() if assume_native else None).rank(request, state)
 
 
 def select(request: Request, state: MaskState, warn: Warn | None = None) -> PhysicalPlan | None:

@@ -123,3 +123,16 @@ def test_profile_config_lists_cases_rank_major():
     assert cases[0][1].seed != cases[4][1].seed and cases[0][1].source == cases[4][1].source
     with pytest.raises(Exception, match="sizes"):
         ProfileConfig(out_dir=".", sizes=("huge",))
+
+
+def test_a_device_error_stops_the_run_after_recording_it(tmp_path):
+    from tessera_diffusers.errors import NativeKernelError
+
+    def crash(trial: Trial) -> Measured:
+        raise NativeKernelError("attention failed: CUDA error 700 (an illegal memory access was encountered)")
+
+    config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), progress=False)
+    summary = run_profile(config, measure=crash, log=lambda m: None)
+    assert summary.stopped.startswith("device error on") and summary.cases_done == 0
+    (record,) = [r for r in records(tmp_path) if r["type"] == "plan"]
+    assert record["status"] == "failed" and "illegal memory access" in record["reason"] and "spec" in record

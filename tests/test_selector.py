@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tessera_diffusers import LogicalMask, Runtime, build_mask_state, reference
-from tessera_diffusers.catalog import plans_for, portable_kernels, reference_kernel
+from tessera_diffusers.catalog import all_kernels, plans_for, portable_kernels, reference_kernel
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.plan_table import TABLE_ENV, body_digest
 from tessera_diffusers.plans import KvLayout, PhysicalPlan, Request, TaskOrganization
@@ -92,7 +92,7 @@ def test_bucket_miss_gives_the_base_plan_and_key_miss_the_cost_model(table):
 
 def test_selector_without_table_ranks_with_the_cost_model():
     state = state_with_density(0.1)
-    with_model = Selector(table=None, kernels=portable_kernels()).selection(REQUEST, state)
+    with_model = Selector(table=None, kernels=all_kernels()).selection(REQUEST, state)
     assert with_model.source == "cost model" and with_model.regime is None
     assert with_model.chosen.name == with_model.ranking[0][0]
     assert rank(REQUEST, state, assume_native=True, table=None).chosen == with_model.chosen

@@ -137,7 +137,8 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
         elif kind == "case":
             case_records[record["case"]] = record
         elif kind == "plan":
-            specs.setdefault(record["plan"], record["spec"])
+            if "spec" in record:
+                specs.setdefault(record["plan"], record["spec"])
             if record.get("status") == "ok":
                 latencies[record["case"]][record["plan"]] = float(record["latency_ms"])
     if not case_records:
@@ -173,6 +174,9 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
     if skipped:
         notes.append(f"skipped {len(skipped)} unreadable record line(s)")
     named = {name for c in cases for name in c.latencies}
+    unknown = sorted(named - set(specs))
+    if unknown:
+        raise PlanTableError(f"records lack the spec of plans {unknown[:3]} (a records file cut at its start?)")
     plans = {name: plan_from_dict(specs[name]) for name in sorted(named)}
     return Profile(arch, chosen_hash, catalogs[chosen_hash], tuple(cases), MappingProxyType(plans), tuple(notes))
 

@@ -3,7 +3,8 @@
 ``profile.jsonl`` is appended to as measurements are made, so a run cut short (time budget, crash,
 a killed machine) keeps everything it measured, and the next run skips what is done:
 
-    {"type": "plan", "case": "<size>:<case name>", "plan": <name>, "spec": <plan dict>,
+    {"type": "plan", "case": "<size>:<case name>:<dtype>:d<head dim>:b<batch>", "plan": <name>,
+     "spec": <plan dict, on the first record of each plan only>,
      "status": "ok" | "invalid" | "failed", "latency_ms": <median>, "samples_ms": [...],
      "abandoned": <bool>, "timer": "cuda_events" | "host_monotonic" | <injected>, "check": {...}, "reason": ...}
     {"type": "case", "case": ..., "size": ..., "spec": <CaseSpec dict>, "family": ..., "source": ...,
@@ -44,6 +45,7 @@ class Progress:
     done_plans: set = field(default_factory=set)  # (case key, plan name)
     done_cases: set = field(default_factory=set)  # case keys with a case record
     best_ms: dict = field(default_factory=dict)  # case key -> fastest valid median so far
+    specs: set = field(default_factory=set)  # plan names whose spec the file already holds
     bad_lines: int = 0
 
 
@@ -75,6 +77,8 @@ def load_progress(path: Path) -> Progress:
         case = record.get("case")
         if record.get("type") == "plan":
             progress.done_plans.add((case, record.get("plan")))
+            if "spec" in record:
+                progress.specs.add(record.get("plan"))
             if record.get("status") == "ok":
                 ms = float(record["latency_ms"])
                 progress.best_ms[case] = min(ms, progress.best_ms.get(case, ms))

@@ -183,11 +183,16 @@ def build_problem(size: str, case: CaseSpec, config: ProfileConfig, device: torc
                    dtype_named(config.dtype), case, info)
 
 
-def measure_plan(plan: PhysicalPlan, problem: Problem, state: Any, inputs: list, oracle: OracleCheck,
+def case_key(size: str, case: CaseSpec, config: ProfileConfig) -> str:
+    """What a case record is keyed by: the case at one size, dtype, head dim and batch."""
+    return f"{size}:{case.name}:{config.dtype}:d{config.head_dim}:b{config.batch}"
+
+
+def measure_plan(key: str, plan: PhysicalPlan, problem: Problem, state: Any, inputs: list, oracle: OracleCheck,
                  request: Request, best_ms: float | None, measure: Measure) -> dict:
-    """Validate then time one plan; a plan's own failure is a record, not an exception (a fatal
-    device error is re-raised after it is recorded by the caller)."""
-    record: dict = {"type": "plan", "case": problem.key, "plan": plan.name, "spec": plan_to_dict(plan)}
+    """Validate then time one plan; a plan's own failure is a record, not an exception (the caller
+    records it and stops on a fatal device error)."""
+    record: dict = {"type": "plan", "case": key, "plan": plan.name}
     start = time.perf_counter()
     prepared = prepare(plan, state)
     scale = problem.scale
@@ -239,14 +244,19 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
 
     try:
         for index, (size, case) in enumerate(cases):
-            key = f"{size}:{case.name}"
+            key = case_key(size, case, config)
             if key in progress.done_cases:
                 bars.case_done("", skipped=True)
                 continue
             if out_of_time():
                 stopped = "time budget"
                 break
-            problem = build_problem(size, case, config, device)
+            try:
+                problem = build_problem(size, case, config, device)
+            except Exception as err:  # noqa: BLE001  (one unbuildable case must not end the run)
+                log(f"case {key} could not be built ({type(err).__name__}: {err}); skipped")
+                bars.case_done("", skipped=True)
+                continue
             request = request_of(problem)
             plans, rejected = case_plans(request, kernels, config.plan_filter)
             state = build_mask_state(problem.mask)
@@ -260,19 +270,23 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
                 if out_of_time():
                     stopped = "time budget"
                     break
+                fatal = None
                 try:
-                    record = measure_plan(plan, problem, state, inputs, oracle, request, progress.best_ms.get(key),
-                                          measure)
+                    record = measure_plan(key, plan, problem, state, inputs, oracle, request,
+                                          progress.best_ms.get(key), measure)
                 except Exception as err:  # noqa: BLE001  (a plan's failure is a result)
-                    record = {"type": "plan", "case": key, "plan": plan.name, "spec": plan_to_dict(plan),
+                    record = {"type": "plan", "case": key, "plan": plan.name,
                               "status": "failed", "reason": f"{type(err).__name__}: {err}"[:ERROR_CHARS]}
-                    if fatal_device_error(err):
-                        append_record(path, record)
-                        stopped = f"device error on {plan.name} ({type(err).__name__}: {err})"[:ERROR_CHARS]
-                        break
+                    fatal = err if fatal_device_error(err) else None
+                if plan.name not in progress.specs:  # each plan's spec once per records file
+                    record["spec"] = plan_to_dict(plan)
+                    progress.specs.add(plan.name)
                 append_record(path, record)
                 new_plans += 1
                 progress.done_plans.add((key, plan.name))
+                if fatal is not None:  # the CUDA context is gone: every later launch would fail too
+                    stopped = f"device error on {plan.name} ({type(fatal).__name__}: {fatal})"[:ERROR_CHARS]
+                    break
                 if record["status"] == "ok":
                     ms = record["latency_ms"]
                     progress.best_ms[key] = min(ms, progress.best_ms.get(key, ms))
