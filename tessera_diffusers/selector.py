@@ -153,7 +153,7 @@ class Selector:
                 self.regime_hits += 1
             if cached is not EVERY_PLAN_REJECTED:
                 return cached
-        return self._cost_model(entry, request, state, full=False)
+        return self._cost_model(entry, request, state)
 
     def rank(self, request: Request, state: MaskState, warn: Warn | None = None) -> Selection:
         """The full decision for ``explain``: every ranked plan checked, every rejection kept."""
@@ -163,7 +163,7 @@ class Selector:
             selection = self._scan(entry, index, request, full=True)
             if selection is not None:
                 return selection
-        return self._cost_model(entry, request, state, full=True)
+        return self._cost_model(entry, request, state)
 
     def clear(self) -> None:
         self._requests.clear()
@@ -260,7 +260,7 @@ class Selector:
         ranking = tuple((r.plan, r.gm_ms) for r in regime.ranking)
         return Selection(request, ranking, tuple(rejected), chosen, "plan table", regime, entry.notes)
 
-    def _cost_model(self, entry: RequestEntry, request: Request, state: MaskState, full: bool) -> Selection:
+    def _cost_model(self, entry: RequestEntry, request: Request, state: MaskState) -> Selection:
         """Every eligible catalog plan ranked by predicted latency (stats read from the device)."""
         notes = entry.notes
         if entry.regimes:

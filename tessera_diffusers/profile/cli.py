@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-sets", type=int, default=None, help="rotated q/k/v sets (default 3)")
     parser.add_argument("--validate-heads", type=int, default=2, help="heads checked against the oracle")
     parser.add_argument("--atol", type=float, default=None, help="absolute slack of the oracle check")
-    parser.add_argument("--abandon-factor", type=float, default=1.5,
+    parser.add_argument("--abandon-factor", type=float, default=1.25,
                         help="keep one sample of a plan this many times slower than the case's best (0: off)")
     parser.add_argument("--plan-filter", default=None, help="regular expression over plan names")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")

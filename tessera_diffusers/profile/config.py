@@ -38,9 +38,9 @@ class ProfileConfig:
     validate_heads: int = 2
     atol: float | None = None
     # After the validation run, one timed run; a plan slower than abandon_factor x the case's best
-    # median so far keeps that single sample instead of warm-ups + reps (it cannot lead any ranking).
-    # 0 disables it.
-    abandon_factor: float = 1.5
+    # median so far keeps that single sample instead of warm-ups + reps: its latency is still
+    # recorded (one CUDA-event sample of a millisecond kernel), it only costs less time. 0: off.
+    abandon_factor: float = 1.25
     minutes: float | None = None  # time budget of the measuring loop (None: no limit)
     plan_filter: str | None = None  # regular expression over plan names
     device: str = "cuda"
