@@ -136,3 +136,18 @@ def test_a_device_error_stops_the_run_after_recording_it(tmp_path):
     assert summary.stopped.startswith("device error on") and summary.cases_done == 0
     (record,) = [r for r in records(tmp_path) if r["type"] == "plan"]
     assert record["status"] == "failed" and "illegal memory access" in record["reason"] and "spec" in record
+
+
+def test_contenders_after_n_cases_prune_hopeless_plans(tmp_path):
+    config = smoke_config(tmp_path, families=("Q64K64",), contenders_after=2, contender_regret=1.05, progress=False)
+    summary = run_profile(config, measure=injected, log=lambda m: None)
+    assert summary.cases_done == 5
+    cases = [r for r in records(tmp_path) if r["type"] == "case"]
+    assert [c["pruned"] for c in cases] == [0, 0, 3, 3, 3]
+    plans = [r for r in records(tmp_path) if r["type"] == "plan"]
+    assert len(plans) == 2 * 4 + 3 * 1
+    table, _ = compile_table(load_profile([tmp_path / RECORDS_FILE]))
+    key = table.keys["cpu/Q64K64/d64/bf16/bshd"]
+    (bucket,) = key.buckets.values()
+    assert [r.plan for r in bucket.regimes[0].ranking] == [key.base_plan]
+    assert "k128_from_q64k64" in key.base_plan and "split" not in key.base_plan

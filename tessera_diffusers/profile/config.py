@@ -41,6 +41,13 @@ class ProfileConfig:
     # median so far keeps that single sample instead of warm-ups + reps: its latency is still
     # recorded (one CUDA-event sample of a millisecond kernel), it only costs less time. 0: off.
     abandon_factor: float = 1.25
+    # Opt-in coverage lever: once a (size, request key) has this many complete cases, later cases
+    # time only its contenders — plans within contender_regret of the best on one of those cases —
+    # and plans not yet measured on it. Rankings only ever hold plans timed on all their cases, so
+    # the table stays honest; a plan that never came close on the first cases is not revisited.
+    # 0 (default): every eligible plan on every case.
+    contenders_after: int = 0
+    contender_regret: float = 1.2
     minutes: float | None = None  # time budget of the measuring loop (None: no limit)
     plan_filter: str | None = None  # regular expression over plan names
     device: str = "cuda"
@@ -58,13 +65,16 @@ class ProfileConfig:
             family_named(name)
         for name, value, least in (("warmup", self.warmup, 0), ("reps", self.reps, 1),
                                    ("input_sets", self.input_sets, 1), ("cases_per_combo", self.cases_per_combo, 1),
-                                   ("batch", self.batch, 1), ("validate_heads", self.validate_heads, 1)):
+                                   ("batch", self.batch, 1), ("validate_heads", self.validate_heads, 1),
+                                   ("contenders_after", self.contenders_after, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidArgumentError(name, f"an int >= {least}", repr(value))
         if self.max_cases is not None and self.max_cases < 0:
             raise InvalidArgumentError("max_cases", "a non-negative int or None", repr(self.max_cases))
         if self.minutes is not None and self.minutes < 0:
             raise InvalidArgumentError("minutes", "a non-negative number or None", repr(self.minutes))
+        if self.contender_regret < 1:
+            raise InvalidArgumentError("contender_regret", "a number >= 1", repr(self.contender_regret))
         if self.abandon_factor != 0 and self.abandon_factor <= 1:
             raise InvalidArgumentError("abandon_factor", "0 (off) or a number > 1", repr(self.abandon_factor))
         if self.plan_filter is not None:

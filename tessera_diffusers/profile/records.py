@@ -10,7 +10,7 @@ a killed machine) keeps everything it measured, and the next run skips what is d
     {"type": "case", "case": ..., "size": ..., "spec": <CaseSpec dict>, "family": ..., "source": ...,
      "group": <CV group>, "request": <Request dict>, "key": <request key>, "stats": {<stat>: value},
      "arch": ..., "catalog_hash": ..., "plans": <eligible plan count>, "rejected": {<plan>: <reason>},
-     "device": ..., "torch": ...}
+     "pruned": <plans not timed: not contenders, see ProfileConfig.contenders_after>, "device": ..., "torch": ...}
     {"type": "catalog", "catalog_hash": ..., "kernels": [<KernelSpec dict>]}    (once per run)
 
 A case record is written only after every plan of the case has a record: the table compiler uses
@@ -46,7 +46,25 @@ class Progress:
     done_cases: set = field(default_factory=set)  # case keys with a case record
     best_ms: dict = field(default_factory=dict)  # case key -> fastest valid median so far
     specs: set = field(default_factory=set)  # plan names whose spec the file already holds
+    latencies: dict = field(default_factory=dict)  # case key -> {plan: median ms} of valid plans
+    groups: dict = field(default_factory=dict)  # "<size>|<request key>" -> complete case keys
     bad_lines: int = 0
+
+    def record_ok(self, case: str, plan: str, ms: float) -> None:
+        self.latencies.setdefault(case, {})[plan] = ms
+        self.best_ms[case] = min(ms, self.best_ms.get(case, ms))
+
+    def contenders(self, group: str, regret: float) -> tuple[set, set]:
+        """Plans within ``regret`` of the best on some complete case of ``group``, and every plan
+        measured on one of them."""
+        contenders, seen = set(), set()
+        for case in self.groups.get(group, ()):
+            lat = self.latencies.get(case, {})
+            seen.update(lat)
+            if lat:
+                best = min(lat.values())
+                contenders.update(p for p, ms in lat.items() if ms <= regret * best)
+        return contenders, seen
 
 
 def read_records(paths: Iterable[str | Path], skipped: list | None = None) -> Iterator[dict]:
@@ -80,10 +98,10 @@ def load_progress(path: Path) -> Progress:
             if "spec" in record:
                 progress.specs.add(record.get("plan"))
             if record.get("status") == "ok":
-                ms = float(record["latency_ms"])
-                progress.best_ms[case] = min(ms, progress.best_ms.get(case, ms))
+                progress.record_ok(case, record.get("plan"), float(record["latency_ms"]))
         elif record.get("type") == "case":
             progress.done_cases.add(case)
+            progress.groups.setdefault(f"{record.get('size')}|{record.get('key')}", []).append(case)
     progress.bad_lines = len(skipped)
     return progress
 

@@ -3,7 +3,8 @@
 For each case (``ProfileConfig.cases()``): build the mask on the device, its ``MaskState`` and
 statistics, ``input_sets`` random ``(q, k, v)`` sets, and the fp32 oracle on ``validate_heads``
 heads (computed once per case, shared by its plans). Then for each eligible plan, fastest predicted
-first: prepare it, run it once and compare with the oracle (the criterion of
+first (after ``contenders_after`` cases of a request key, optionally only its contenders): prepare
+it, run it once and compare with the oracle (the criterion of
 ``tessera_diffusers.testing``: at most twice the error of a same-precision PyTorch run plus a small
 atol, exact zeros on rows without keys), then time it — CUDA events, median of ``reps`` after
 ``warmup`` runs, rotating the input sets so L2 cannot hold them (``bench.timing``). A plan whose
@@ -262,6 +263,12 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
             state = build_mask_state(problem.mask)
             stats = state.host_stats()
             plans.sort(key=lambda p: estimate_ms(p, request, stats))  # a good best-so-far early
+            group = f"{size}|{request.key}"
+            pruned = 0
+            if config.contenders_after and len(progress.groups.get(group, ())) >= config.contenders_after:
+                contenders, seen = progress.contenders(group, config.contender_regret)
+                kept = [p for p in plans if p.name in contenders or p.name not in seen]
+                pruned, plans = len(plans) - len(kept), kept
             todo = [p for p in plans if (key, p.name) not in progress.done_plans]
             bars.start_case(key, len(todo))
             inputs = make_inputs(problem, config.input_sets, config.seed)
@@ -288,14 +295,14 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
                     stopped = f"device error on {plan.name} ({type(fatal).__name__}: {fatal})"[:ERROR_CHARS]
                     break
                 if record["status"] == "ok":
-                    ms = record["latency_ms"]
-                    progress.best_ms[key] = min(ms, progress.best_ms.get(key, ms))
+                    progress.record_ok(key, plan.name, record["latency_ms"])
                 bars.plan_done(f"{record['status']} {plan.name}")
             if stopped is None:
                 ok = sum(1 for p in plans if (key, p.name) in progress.done_plans)
-                append_record(path, case_record(key, size, case, problem, request, stats, plans, rejected, device,
-                                                catalog))
+                append_record(path, {**case_record(key, size, case, problem, request, stats, plans, rejected, device,
+                                                   catalog), "pruned": pruned})
                 progress.done_cases.add(key)
+                progress.groups.setdefault(group, []).append(key)
                 new_cases += 1
                 best = progress.best_ms.get(key)
                 left = "" if deadline is None else f", {max(0.0, deadline - time.monotonic()):.0f} s left"
