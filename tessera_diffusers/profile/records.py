@@ -48,6 +48,7 @@ class Progress:
     specs: set = field(default_factory=set)  # plan names whose spec the file already holds
     latencies: dict = field(default_factory=dict)  # case key -> {plan: median ms} of valid plans
     groups: dict = field(default_factory=dict)  # "<size>|<request key>" -> complete case keys
+    catalogs: set = field(default_factory=set)  # catalog hashes of the runs that wrote the file
     bad_lines: int = 0
 
     def record_ok(self, case: str, plan: str, ms: float) -> None:
@@ -99,6 +100,8 @@ def load_progress(path: Path) -> Progress:
                 progress.specs.add(record.get("plan"))
             if record.get("status") == "ok":
                 progress.record_ok(case, record.get("plan"), float(record["latency_ms"]))
+        elif record.get("type") == "catalog":
+            progress.catalogs.add(record.get("catalog_hash"))
         elif record.get("type") == "case":
             progress.done_cases.add(case)
             progress.groups.setdefault(f"{record.get('size')}|{record.get('key')}", []).append(case)

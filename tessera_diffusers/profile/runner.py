@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -35,7 +34,7 @@ from ..corpus import CaseSpec
 from ..cost_model import estimate_ms
 from ..eligibility import rejection
 from ..errors import NativeKernelError
-from ..mask_state import build_mask_state
+from ..mask_state import MaskState, build_mask_state
 from ..plan_table import kernel_to_dict, plan_to_dict
 from ..plans import KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization
 from ..prepare import PreparedPlan, prepare
@@ -189,7 +188,7 @@ def case_key(size: str, case: CaseSpec, config: ProfileConfig) -> str:
     return f"{size}:{case.name}:{config.dtype}:d{config.head_dim}:b{config.batch}"
 
 
-def measure_plan(key: str, plan: PhysicalPlan, problem: Problem, state: Any, inputs: list, oracle: OracleCheck,
+def measure_plan(key: str, plan: PhysicalPlan, problem: Problem, state: MaskState, inputs: list, oracle: OracleCheck,
                  request: Request, best_ms: float | None, measure: Measure) -> dict:
     """Validate then time one plan; a plan's own failure is a record, not an exception (the caller
     records it and stops on a fatal device error)."""
@@ -234,6 +233,10 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
         log(f"{path}: skipped {progress.bad_lines} unreadable line(s) (a run cut short mid-write)")
     kernels = profiling_kernels(device)
     catalog = {"catalog_hash": catalog_hash(kernels)}
+    others = progress.catalogs - {catalog["catalog_hash"]}
+    if others:
+        log(f"{path} holds measurements of other kernel catalogs {sorted(others)}: plans measured then count as "
+            "done; after rebuilding the kernels profile into a new --out (or pass --fresh)")
     append_record(path, {"type": "catalog", **catalog, "kernels": [kernel_to_dict(k) for k in kernels]})
     measure = measure or KernelTimer(config.warmup, config.reps, config.abandon_factor)
     cases = config.cases()
