@@ -8,6 +8,7 @@
 #   kernels    benchmarks/kernels.py (KERNELS_ARGS, KERNELS_TIMEOUT)
 #   loop       benchmarks/diffusion_loop.py (LOOP_ARGS, LOOP_TIMEOUT)
 #   demo       tessera demo --device cuda (the README's main job on the GPU)
+#   profile    tessera profile (PROFILE_MINUTES, PROFILE_ARGS); records and table under $OUT/profile
 # Logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/tessera_out}
@@ -52,6 +53,9 @@ for STEP in "${@:-tests}"; do
       timeout ${LOOP_TIMEOUT:-420} python3 benchmarks/diffusion_loop.py --out "$OUT/loop" ${LOOP_ARGS:-} \
         2>&1 | tee "$OUT/loop.log" | tail -30
       (cd "$OUT" && tar czf loop.tgz loop && rm -rf loop) ;;
+    profile)
+      timeout ${PROFILE_TIMEOUT:-420} python3 -m tessera_diffusers.cli profile --out "$OUT/profile" \
+        --minutes ${PROFILE_MINUTES:-6} --no-progress ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -25 ;;
     demo)
       timeout ${DEMO_TIMEOUT:-120} tessera demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v "it/s" | tail -8 ;;
     *) echo "unknown step $STEP" ;;
