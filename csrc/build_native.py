@@ -84,10 +84,13 @@ def instantiation_source(row) -> str:
 
 namespace tessera::generated {{
 using Traits_{row.name} = {traits_of(row)};
+constexpr auto kernel_{row.name} = tessera::{row.family}::attention_kernel<Traits_{row.name}>;
 int launch_{row.name}(const TesseraAttnParams& p, cudaStream_t stream) {{
-  return tessera::{row.family}::launch_attention<Traits_{row.name}>(p, stream);
+  return tessera::launch_tasks(kernel_{row.name}, Traits_{row.name}::kThreads, Traits_{row.name}::kSmemBytes, p, stream);
 }}
-int ctas_per_sm_{row.name}() {{ return tessera::{row.family}::ctas_per_sm<Traits_{row.name}>(); }}
+int ctas_per_sm_{row.name}() {{
+  return tessera::occupancy(kernel_{row.name}, Traits_{row.name}::kThreads, Traits_{row.name}::kSmemBytes);
+}}
 int smem_bytes_{row.name}() {{ return Traits_{row.name}::kSmemBytes; }}
 int threads_{row.name}() {{ return Traits_{row.name}::kThreads; }}
 }}  // namespace tessera::generated

@@ -343,14 +343,4 @@ __global__ void __launch_bounds__(T::kThreads) attention_kernel(const __grid_con
   }
 }
 
-template <class T>
-int launch_attention(const TesseraAttnParams& p, cudaStream_t stream) {
-  return tessera::launch_tasks(attention_kernel<T>, T::kThreads, T::kSmemBytes, p, stream);
-}
-
-template <class T>
-int ctas_per_sm() {
-  return tessera::occupancy(attention_kernel<T>, T::kThreads, T::kSmemBytes);
-}
-
 }  // namespace tessera::portable
