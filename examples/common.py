@@ -71,3 +71,28 @@ def save_video(frames, path: Path, fps: int) -> Path:
             image.save(folder / f"{i:04d}.png")
         print(f"no video writer ({type(err).__name__}: {err}); wrote {len(frames)} PNG frames to {folder}")
         return folder
+
+
+def generate_and_save(pipe, processor, args: argparse.Namespace, fps: int, **pipe_kwargs) -> Path:
+    """Run the pipeline with ``pipe_kwargs``, write the video to ``args.out`` and print a summary
+    (with the processor's statistics when Tessera is attached)."""
+    import time
+
+    start = time.perf_counter()
+    frames = pipe(
+        **pipe_kwargs,
+        num_frames=args.frames,
+        num_inference_steps=args.steps,
+        generator=torch.Generator(device="cpu").manual_seed(args.seed),
+    ).frames[0]
+    elapsed = time.perf_counter() - start
+    written = save_video(list(frames), args.out, fps=fps)
+    print(f"{len(frames)} frames in {elapsed:.1f} s -> {written}")
+    if processor is not None:
+        stats = processor.stats()
+        print(
+            f"sparse calls {stats['sparse_calls']}, dense calls {stats['dense_calls']}, "
+            f"mean mask density {stats['mean_mask_density']:.3f}, "
+            f"cache peak {stats['cache']['peak_bytes'] / 2**20:.1f} MiB"
+        )
+    return written

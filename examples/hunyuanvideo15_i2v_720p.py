@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_common_arguments, hunyuan_native, pick_device, save_video, tuned_ssta, with_warmup  # noqa: E402
+from common import add_common_arguments, generate_and_save, hunyuan_native, pick_device, tuned_ssta, with_warmup  # noqa: E402
 from tessera_diffusers.processors import TesseraProcessor  # noqa: E402
 
 from tessera_diffusers.sparsifiers import LatentGrid  # noqa: E402
@@ -151,25 +150,7 @@ def main(argv: list[str] | None = None) -> Path:
         f"{pipe.transformer.config.num_layers} blocks; {'dense' if processor is None else processor.sparsifier}"
     )
 
-    start = time.perf_counter()
-    frames = pipe(
-        image=image,
-        **inputs,
-        num_frames=args.frames,
-        num_inference_steps=args.steps,
-        generator=torch.Generator(device="cpu").manual_seed(args.seed),
-    ).frames[0]
-    elapsed = time.perf_counter() - start
-    written = save_video(list(frames), args.out, fps=24)
-    print(f"{len(frames)} frames in {elapsed:.1f} s -> {written}")
-    if processor is not None:
-        stats = processor.stats()
-        print(
-            f"sparse calls {stats['sparse_calls']}, dense calls {stats['dense_calls']}, "
-            f"mean mask density {stats['mean_mask_density']:.3f}, "
-            f"cache peak {stats['cache']['peak_bytes'] / 2**20:.1f} MiB"
-        )
-    return written
+    return generate_and_save(pipe, processor, args, fps=24, image=image, **inputs)
 
 
 if __name__ == "__main__":
