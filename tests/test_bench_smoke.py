@@ -13,7 +13,14 @@ import torch
 
 from tessera_diffusers.bench import cli
 from tessera_diffusers.bench.backends import FlexAttentionBackend, flex_kernel_options, kv_block_lists
-from tessera_diffusers.bench.flashinfer_backends import folded_bsr, gathered_key_tokens, variable_block_sizes
+from tessera_diffusers.bench.flashinfer_backends import (
+    FlashInferBsr,
+    FlashInferVariable,
+    folded_bsr,
+    gathered_key_tokens,
+    variable_block_sizes,
+)
+from tessera_diffusers.bench.harness import relabel_legacy
 from tessera_diffusers.bench.metrics import compare, geometric_mean, regrets, summarize
 from tessera_diffusers.bench.problem import OracleCheck, Problem, check_heads, make_inputs
 from tessera_diffusers.bench.timing import time_kernel, time_request
@@ -117,6 +124,18 @@ def test_flashinfer_inputs_rebuild_the_mask() -> None:
     assert torch.equal(block_map, blocks[0]) and row_sz.dtype == torch.int32
     assert (row_sz.sum(1) == 200).all() and (col_sz.sum(1) == 200).all() and int(col_sz[0, -1]) == 200 - 4 * 48
     assert gathered_key_tokens(problem) == int((blocks[0].double() @ col_sz[0].double()).sum())
+
+
+def test_flashinfer_records_keep_their_variant_name() -> None:
+    """describe() is merged into the record: it must not carry a "backend" key (it once did, and the
+    BSR and variable-block records were all labelled "fa2"/"fa3" and averaged in the report)."""
+    for backend in (FlashInferBsr("fa3"), FlashInferVariable("fa2")):  # no flashinfer here: still describable
+        assert "backend" not in backend.describe()
+    legacy = {"backend": "fa3", "wrapper": "VariableBlockSparseAttentionWrapper", "case": "c", "size": "s"}
+    assert relabel_legacy(dict(legacy))["backend"] == "flashinfer-var-fa3"
+    legacy["wrapper"] = "BlockSparseAttentionWrapper"
+    assert relabel_legacy(dict(legacy))["backend"] == "flashinfer-bsr-fa3"
+    assert relabel_legacy({"backend": "flex"}) == {"backend": "flex"}
 
 
 def test_timing_rotates_inputs_and_counts_reps() -> None:
