@@ -53,6 +53,12 @@ def reference_kernel(head_dim: int, dtype: str, tile_q: int = 64, tile_kv: int =
 
 def catalog_hash(kernels: tuple[KernelSpec, ...]) -> str:
     """Deterministic hash of a kernel list (what a plan table is built against)."""
+    return hash_kernel_tuple(tuple(kernels))
+
+
+@cache
+def hash_kernel_tuple(kernels: tuple[KernelSpec, ...]) -> str:
+    # Cached: every new Selector checks its table against the same catalog tuple.
     return hashlib.sha256("\n".join(k.name for k in kernels).encode()).hexdigest()[:16]
 
 

@@ -10,6 +10,7 @@ not share (``ROW_OVERLAP``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .mask_state import Stat
@@ -61,6 +62,27 @@ def coarsening_waste(block: int, tile: int, mean_run: float) -> float:
 
 def estimate_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rates: DeviceRates = H200) -> float:
     """Predicted kernel milliseconds of ``plan`` on ``req`` with host mask statistics ``stats``."""
+    return tile_work_ms(plan, req, stats, rates) + split_merge_ms(plan, req, rates)
+
+
+def estimate_many(plans: Sequence[PhysicalPlan], req: Request, stats: dict[str, float],
+                  rates: DeviceRates = H200) -> list[float]:
+    """``estimate_ms`` of every plan, equal to it bit for bit. Plans that differ only in their task
+    organization (five per kernel and layout in the catalog) share one evaluation of the tile work."""
+    work: dict = {}
+    out = []
+    for plan in plans:
+        key = (plan.block_q, plan.block_kv, plan.kv_layout, plan.kernel)
+        ms = work.get(key)
+        if ms is None:
+            ms = work[key] = tile_work_ms(plan, req, stats, rates)
+        out.append(ms + split_merge_ms(plan, req, rates))
+    return out
+
+
+def tile_work_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rates: DeviceRates = H200) -> float:
+    """The tiles' part of ``estimate_ms``: roofline time of the computed area plus per-tile overhead
+    (depends on the plan's geometry, layout and kernel, not on its task organization)."""
     density = stats[Stat.DENSITY.name.lower()]
     mean_run = stats[Stat.MEAN_RUN_LENGTH.name.lower()]
     overlap = stats[Stat.ROW_OVERLAP.name.lower()]
@@ -84,7 +106,12 @@ def estimate_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rates
     mem_ms = bytes_moved / (rates.bandwidth_gbs * 1e9) * 1e3 / 4.0  # most re-reads hit L2
     waves = max(1.0, tiles / rates.num_sms)
     overhead_ms = waves * rates.tile_overhead_us * 1e-3
-    split_ms = 0.0
-    if plan.tasks.num_splits > 1:
-        split_ms = plan.tasks.num_splits * bh * req.seq_len_q * req.head_dim * 8 / (rates.bandwidth_gbs * 1e9) * 1e3
-    return max(math_ms, mem_ms) + overhead_ms + split_ms
+    return max(math_ms, mem_ms) + overhead_ms
+
+
+def split_merge_ms(plan: PhysicalPlan, req: Request, rates: DeviceRates = H200) -> float:
+    """The split-K part of ``estimate_ms``: writing and merging the partial outputs."""
+    if plan.tasks.num_splits <= 1:
+        return 0.0
+    bh = req.batch * req.heads
+    return plan.tasks.num_splits * bh * req.seq_len_q * req.head_dim * 8 / (rates.bandwidth_gbs * 1e9) * 1e3

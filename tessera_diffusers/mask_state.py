@@ -1,8 +1,10 @@
 """MaskState mu(M): the block-CSR form of a logical mask plus the statistics the selector reads.
 
-Built with tensor ops on the mask's own device and no host round trip. The CSR uses a fixed row
-stride (FlexAttention's ``kv_num_blocks / kv_indices`` vocabulary) so that no host needs to know the
-number of active blocks before the index tensor can be allocated:
+Built with tensor ops on the mask's own device and no host round trip. Each part is computed on
+first use and kept: a request whose plan-table regime needs no statistic and whose plan reads the
+block tensor directly (every native plan) pays for none of it. The CSR uses a fixed row stride
+(FlexAttention's ``kv_num_blocks / kv_indices`` vocabulary) so that no host needs to know the number
+of active blocks before the index tensor can be allocated:
 
     rows r = (b, h, i) of the block grid, flattened row-major over [B|1, H|1, nQ]
     kv_num_blocks[r]          active KV blocks of row r
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
 
 import torch
 
@@ -40,21 +43,56 @@ NUM_STATS = len(Stat)
 
 @dataclass(frozen=True, eq=False)
 class MaskState:
-    """Block-CSR of a logical mask and its statistics, all on the mask's device."""
+    """Block-CSR of a logical mask and its statistics, all on the mask's device, each computed on
+    first access (no host sync) and cached on the object."""
 
     mask: LogicalMask
-    kv_num_blocks: torch.Tensor  # [B|1, H|1, nQ] int32
-    kv_indices: torch.Tensor  # [B|1, H|1, nQ, nKV] int32, active first ascending, then -1
-    row_offsets: torch.Tensor  # [B|1 * H|1 * nQ + 1] int64, exclusive prefix sum of kv_num_blocks
-    stats: torch.Tensor  # [NUM_STATS] float32, indexed by Stat
+
+    @cached_property
+    def kv_num_blocks(self) -> torch.Tensor:
+        """Active KV blocks per query-block row. ``[B|1, H|1, nQ]`` int32."""
+        return self.mask.blocks.sum(-1, dtype=torch.int32)
+
+    @cached_property
+    def kv_indices(self) -> torch.Tensor:
+        """Active KV block indices of each row, ascending, then -1. ``[B|1, H|1, nQ, nKV]`` int32."""
+        blocks = self.mask.blocks
+        n_kv = blocks.shape[-1]
+        index = set_flag_positions(blocks.cumsum(-1, dtype=torch.int32), n_kv, out_int32=True)
+        return torch.where(index < n_kv, index, -1)
+
+    @cached_property
+    def row_offsets(self) -> torch.Tensor:
+        """Exclusive prefix sum of ``kv_num_blocks`` over the flattened rows. ``[rows + 1]`` int64."""
+        return torch.nn.functional.pad(self.kv_num_blocks.reshape(-1).cumsum(0), (1, 0))
+
+    @cached_property
+    def stat_counts(self) -> torch.Tensor:
+        """The exact integer counts the statistics are ratios of (``count_blocks``). ``[6]`` int64."""
+        return count_blocks(self.mask.blocks, self.kv_num_blocks)
+
+    @cached_property
+    def stats(self) -> torch.Tensor:
+        """The ``Stat`` vector. ``[NUM_STATS]`` float32."""
+        return stats_from_counts(self.stat_counts, self.kv_num_blocks.numel(), self.mask.blocks.numel())
+
+    @cached_property
+    def host_stat_values(self) -> tuple[float, ...]:
+        """The ``Stat`` vector on the host, equal to ``stats`` (one sync, kept). Reads the six counts
+        and takes the ratios on the host, so the device runs no scalar arithmetic for a reader that
+        only wants host values (the selector)."""
+        if "stats" in self.__dict__:
+            return tuple(self.stats.tolist())
+        counts = self.stat_counts.cpu()
+        return tuple(stats_from_counts(counts, self.kv_num_blocks.numel(), self.mask.blocks.numel()).tolist())
 
     def stat(self, which: Stat) -> float:
         """One statistic on the host (a sync: the caller's explicit choice)."""
-        return float(self.stats[which])
+        return self.host_stat_values[which]
 
     def host_stats(self) -> dict[str, float]:
         """All statistics on the host, by name (one sync)."""
-        values = self.stats.tolist()
+        values = self.host_stat_values
         return {s.name.lower(): values[s] for s in Stat}
 
     def compact_indices(self) -> torch.Tensor:
@@ -64,51 +102,61 @@ class MaskState:
 
 
 def build_mask_state(mask: LogicalMask) -> MaskState:
-    """mu(M): block-CSR plus statistics, computed on ``mask.device`` without a host sync."""
-    blocks = mask.blocks  # [B, H, nQ, nKV] bool
-    n_kv = blocks.shape[-1]
-    counts = blocks.sum(-1, dtype=torch.int32)  # [B, H, nQ]
+    """mu(M): block-CSR plus statistics of ``mask``, computed on ``mask.device`` without a host
+    sync when first read."""
+    return MaskState(mask)
 
-    # Scatter each active column to its rank inside the row: no sort, no nonzero().
-    rank = blocks.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1
-    cols = torch.arange(n_kv, device=blocks.device, dtype=torch.int32).expand_as(rank)
-    indices = torch.full(blocks.shape[:-1] + (n_kv + 1,), -1, dtype=torch.int32, device=blocks.device)
-    target = torch.where(blocks, rank, torch.full_like(rank, n_kv)).to(torch.int64)
-    indices.scatter_(-1, target, cols)
-    indices = indices[..., :n_kv].contiguous()
 
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=blocks.device)
-    offsets[1:] = counts.reshape(-1).to(torch.int64).cumsum(0)
-    return MaskState(mask, counts, indices, offsets, compute_stats(blocks, counts))
+def set_flag_positions(cumulative: torch.Tensor, width: int, out_int32: bool = False) -> torch.Tensor:
+    """Stream compaction along the last dim from the inclusive prefix count of a flag tensor.
+
+    ``cumulative [..., n]`` (``flags.cumsum(-1)``, int32) -> the indices of the set flags in
+    ascending order, ``[..., width]`` (int64, or int32 with ``out_int32``); positions past the last
+    set flag hold ``n``. No host sync, no scatter and nothing of size ``n x width``: position p is
+    the first index whose count reaches p + 1 (a binary search per output)."""
+    lead = cumulative.shape[:-1]
+    wanted = torch.arange(1, width + 1, dtype=cumulative.dtype, device=cumulative.device)
+    wanted = wanted.expand(*lead, width).contiguous()  # searchsorted copies a non-contiguous input anyway
+    return torch.searchsorted(cumulative, wanted, out_int32=out_int32)
 
 
 def compute_stats(blocks: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The ``Stat`` vector of a ``[B, H, nQ, nKV]`` bool block tensor, on its device. ``[NUM_STATS]`` fp32."""
-    f = blocks.to(torch.float32)
-    total = torch.tensor(float(blocks.numel()), device=blocks.device)
-    active = f.sum()
-    safe_active = active.clamp_min(1.0)
+    """The ``Stat`` vector of a ``[B, H, nQ, nKV]`` bool block tensor with row counts ``counts
+    [B, H, nQ]``, on its device. ``[NUM_STATS]`` fp32."""
+    return stats_from_counts(count_blocks(blocks, counts), counts.numel(), blocks.numel())
 
-    left = torch.nn.functional.pad(f[..., :-1], (1, 0))  # neighbour j-1 active
-    right = torch.nn.functional.pad(f[..., 1:], (0, 1))  # neighbour j+1 active
-    in_long_run = f * ((left + right) > 0).to(torch.float32)
-    run_starts = (f * (1.0 - left)).sum()
 
-    row_counts = counts.to(torch.float32)
-    mean_row = row_counts.mean()
-    max_row = row_counts.max()
-    above = torch.nn.functional.pad(f[..., :-1, :], (0, 0, 1, 0))  # same column, previous q row
+def count_blocks(blocks: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The integer counts behind the statistics, on the block tensor's device: ``[6]`` int64 =
+    active blocks, runs of length 1, runs, blocks also active in the previous row, the longest row,
+    empty rows. Every reduction counts in int64 (exact at any size) over bool maps: no float copy
+    of the block tensor is made."""
+    padded = torch.nn.functional.pad(blocks, (1, 1))  # [..., nKV + 2] bool, inactive borders
+    inner = padded[..., 1:-1]
+    starts = inner > padded[..., :-2]  # active, left neighbour not: a run begins
+    return torch.stack([
+        counts.sum(dtype=torch.int64),  # active blocks
+        (starts > padded[..., 2:]).sum(),  # runs of length 1: a run begins, right neighbour inactive
+        starts.sum(),  # runs
+        (blocks[..., 1:, :] & blocks[..., :-1, :]).sum(),  # active in the previous row too
+        counts.max().to(torch.int64),  # longest row
+        (counts == 0).sum(),  # empty rows
+    ])
 
-    stats = torch.stack(
-        [
-            active / total,
-            in_long_run.sum() / safe_active,
-            max_row,
-            mean_row,
-            torch.where(run_starts > 0, active / run_starts.clamp_min(1.0), torch.zeros_like(active)),
-            (row_counts == 0).to(torch.float32).mean(),
-            torch.where(mean_row > 0, max_row / mean_row.clamp_min(1e-12), torch.zeros_like(mean_row)),
-            (f * above).sum() / safe_active,
-        ]
-    )
+
+def stats_from_counts(counts: torch.Tensor, rows: int, total: int) -> torch.Tensor:
+    """The ``Stat`` vector from ``count_blocks``'s counts (on any device: fp64 ratios, the same
+    bits on the host and the GPU), for ``rows`` block rows and ``total`` blocks. ``[NUM_STATS]`` fp32."""
+    active, singles, runs, overlap, max_row, empty = counts.to(torch.float64).unbind()
+    safe_active = active.clamp_min(1.0)  # every ratio over active blocks is 0 for an empty mask
+    stats = torch.stack([
+        active / total,
+        (active - singles) / safe_active,
+        max_row,
+        active / rows,
+        active / runs.clamp_min(1.0),  # no runs means no active block: 0
+        empty / rows,
+        max_row * rows / safe_active,
+        overlap / safe_active,
+    ])
     return stats.to(torch.float32)

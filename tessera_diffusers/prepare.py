@@ -1,6 +1,7 @@
 """Launch preparation: the metadata one plan's kernel reads, built from a MaskState.
 
-Pure tensor code on the mask's device; never launches attention, never syncs with the host.
+Pure tensor code on the mask's device; never launches attention, and syncs with the host only for
+the one scalar of ``compact`` (``prepare(..., compact=False)`` never does).
 
 Metadata format (read as is by the PyTorch executor and the CUDA kernels)
 =======================================================================
@@ -26,6 +27,9 @@ Tensors (mask dims ``Bm, Hm`` are 1 where the mask broadcasts):
     run_starts   int32 [Bm, Hm, nQT, capR]      first token of each run
     run_lengths  int32 [Bm, Hm, nQT, capR]      tokens in each run (clipped at Skv)
 
+No kernel reads the three run tensors (a launch passes the other four), so ``PreparedPlan`` computes
+them on first access.
+
 ``cap`` is at most ``ceil(ceil(Skv / kv_unit) / S)`` (trimmed to the longest list by default), ``capR = ceil(ceil(Skv / kv_unit) / 2)``. Tiles of a row are
 in ascending token order. Tokens at or past ``Skv`` are masked by the kernel (partial last block);
 query rows at or past ``Sq`` are never stored. A query unit past ``Sq`` has no membership bits.
@@ -34,19 +38,21 @@ Split-K: a task ``(b, h, rank, split)`` handles tiles ``[split * per, min(count,
 of its query tile, ``per = ceil(count / num_splits)``, and writes its normalized partial output and
 log-sum-exp to the workspace ``o_partial [num_splits, B, H, Sq, D] fp32``,
 ``lse_partial [num_splits, B, H, Sq] fp32`` (an empty part writes 0 and -inf); the merge rescales
-the parts to a common maximum. Tasks are numbered rank-major: ``task = (rank * B * H + b * H + h)
-* num_splits + split``, so the longest rows of every head start first.
+the parts to a common maximum. Tasks are numbered head-major: ``task = ((b * H + h) * nQT + rank)
+* num_splits + split``, so the CTAs resident at one time share one head's K/V in L2, longest rows
+first within the head.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from .errors import InvalidArgumentError
-from .mask_state import MaskState
+from .mask_state import MaskState, set_flag_positions
 from .plans import MEMBERSHIP_BITS, KvLayout, PhysicalPlan, Traversal
 
 
@@ -72,7 +78,10 @@ class WorkspaceLayout:
 
 @dataclass(frozen=True, eq=False)
 class PreparedPlan:
-    """A plan bound to one mask: everything the kernel reads besides q, k, v."""
+    """A plan bound to one mask: everything the kernel reads besides q, k, v.
+
+    The run tensors (``run_counts``, ``run_starts``, ``run_lengths``) are not passed to any kernel;
+    they are computed from the mask on first access and kept."""
 
     plan: PhysicalPlan
     state: MaskState
@@ -82,13 +91,28 @@ class PreparedPlan:
     tile_slots: torch.Tensor  # [Bm, Hm, nQT, cap, S] int32
     tile_member: torch.Tensor  # [Bm, Hm, nQT, cap] int64
     q_order: torch.Tensor  # [Bm, Hm, nQT] int32
-    run_counts: torch.Tensor  # [Bm, Hm, nQT] int32
-    run_starts: torch.Tensor  # [Bm, Hm, nQT, capR] int32
-    run_lengths: torch.Tensor  # [Bm, Hm, nQT, capR] int32
 
     @property
     def mask(self):
         return self.state.mask
+
+    @cached_property
+    def runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(run_counts, run_starts, run_lengths)`` of every query tile (see the module docstring)."""
+        tile_any = unit_activity(self.plan, self.state).any(3)
+        return unit_runs(tile_any, self.plan.kv_unit, self.mask.seq_len_kv)
+
+    @property
+    def run_counts(self) -> torch.Tensor:  # [Bm, Hm, nQT] int32
+        return self.runs[0]
+
+    @property
+    def run_starts(self) -> torch.Tensor:  # [Bm, Hm, nQT, capR] int32
+        return self.runs[1]
+
+    @property
+    def run_lengths(self) -> torch.Tensor:  # [Bm, Hm, nQT, capR] int32
+        return self.runs[2]
 
     def workspace(self, batch: int, heads: int, head_dim: int) -> WorkspaceLayout:
         ns = self.plan.tasks.num_splits
@@ -123,7 +147,10 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool = True) -> Prepa
 
     ``compact`` trims ``cap`` to the longest tile list of any query tile, which costs one host sync
     (a scalar) and shrinks the metadata by the inverse density; ``compact=False`` keeps the
-    worst-case capacity and never syncs (for capture in a CUDA graph)."""
+    worst-case capacity and never syncs (for capture in a CUDA graph).
+
+    About twenty small tensor ops: the tile counts come first so that the one sync of ``compact``
+    waits on little work, and everything after it is sized by the trimmed capacity."""
     mask = state.mask
     if (plan.block_q, plan.block_kv) != (mask.block_q, mask.block_kv):
         raise InvalidArgumentError(
@@ -135,105 +162,113 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool = True) -> Prepa
             "plan", f"q units x slots <= {MEMBERSHIP_BITS}", f"{kq} x {slots} for {plan.name}"
         )
     act = unit_activity(plan, state)  # [Bm, Hm, nQT, kq, nUk] bool
-    tile_any = act.any(3)  # [Bm, Hm, nQT, nUk]
+    tile_any = act.any(3) if kq > 1 else act.squeeze(3)  # [Bm, Hm, nQT, nUk]
     n_uk = tile_any.shape[-1]
-    cap = math.ceil(n_uk / slots)
-    if plan.kv_layout is KvLayout.PACKED:
-        counts, slot_units = packed_tiles(tile_any, slots, cap)
+    packed = plan.kv_layout is KvLayout.PACKED
+    if packed:
+        # Active units in order, ``slots`` per tile.
+        cumulative = tile_any.cumsum(-1, dtype=torch.int32)  # [Bm, Hm, nQT, nUk]
+        counts = (cumulative[..., -1] + (slots - 1)) // slots
     else:
-        counts, slot_units = contiguous_tiles(tile_any, slots, cap)
-    if compact:
-        cap = max(1, int(counts.max()))
-        slot_units = slot_units[..., :cap, :]
-    kv_unit = plan.kv_unit
-    tile_slots = torch.where(slot_units >= 0, slot_units * kv_unit, slot_units).to(torch.int32)
-    tile_member = membership_words(act, slot_units, kq, slots)
+        # Aligned groups of ``slots`` consecutive units that hold an active unit, in order.
+        cumulative = group_activity(tile_any, slots).cumsum(-1, dtype=torch.int32)  # [Bm, Hm, nQT, nG]
+        counts = cumulative[..., -1].contiguous()
+    cap = max(1, int(counts.max())) if compact else math.ceil(n_uk / slots)
+    if packed:
+        unit = set_flag_positions(cumulative, cap * slots).view(*counts.shape, cap, slots)
+    else:
+        group = set_flag_positions(cumulative, cap)  # [Bm, Hm, nQT, cap]; nG past the last group
+        unit = group.unsqueeze(-1) * slots + torch.arange(slots, device=group.device) if slots > 1 \
+            else group.unsqueeze(-1)
+    live = unit < n_uk  # [Bm, Hm, nQT, cap, S]: a unit past the end is an empty slot
+    tile_slots = torch.where(live, unit * plan.kv_unit, -1).to(torch.int32)
+    tile_member = membership_words(act, unit.clamp(max=n_uk - 1), live)
     if plan.tasks.traversal is Traversal.LONGEST_FIRST:
-        q_order = torch.argsort(-counts, dim=-1, stable=True).to(torch.int32)
+        q_order = torch.argsort(counts, dim=-1, descending=True, stable=True).to(torch.int32)
     else:
         q_order = torch.arange(counts.shape[-1], dtype=torch.int32, device=counts.device).expand_as(counts)
         q_order = q_order.contiguous()
-    run_counts, run_starts, run_lengths = unit_runs(tile_any, kv_unit, mask.seq_len_kv)
     return PreparedPlan(
         plan=plan,
         state=state,
         num_q_tiles=counts.shape[-1],
         capacity=cap,
         tile_counts=counts,
-        tile_slots=tile_slots.contiguous(),
-        tile_member=tile_member.contiguous(),
+        tile_slots=tile_slots,
+        tile_member=tile_member,
         q_order=q_order,
-        run_counts=run_counts,
-        run_starts=run_starts,
-        run_lengths=run_lengths,
     )
 
 
 def unit_activity(plan: PhysicalPlan, state: MaskState) -> torch.Tensor:
-    """Activity of every (query unit of each query tile, KV unit). ``[Bm, Hm, nQT, kq, nUk]`` bool."""
+    """Activity of every (query unit of each query tile, KV unit). ``[Bm, Hm, nQT, kq, nUk]`` bool.
+
+    A unit never straddles a block (``q_unit`` divides ``block_q``), so each block becomes
+    ``block / unit`` units per axis: a view of the block tensor when units are blocks (direct,
+    coarsened and packed mappings), one copy when a block is refined. Query units at or past
+    ``Sq`` are inactive."""
     mask = state.mask
-    device = mask.device
     q_unit, kv_unit, kq = plan.q_unit, plan.kv_unit, plan.q_units_per_tile
     n_qt = math.ceil(mask.seq_len_q / plan.tile_q)
+    n_uq = math.ceil(mask.seq_len_q / q_unit)  # query units holding a row
     n_uk = math.ceil(mask.seq_len_kv / kv_unit)
-    q_rows = torch.arange(n_qt * kq, device=device) * q_unit  # first row of each query unit
-    q_valid = q_rows < mask.seq_len_q
-    q_block = torch.clamp(q_rows // mask.block_q, max=mask.num_blocks_q - 1)
-    kv_block = torch.arange(n_uk, device=device) * kv_unit // mask.block_kv
-    act = mask.blocks.index_select(2, q_block).index_select(3, kv_block)  # [Bm, Hm, nQT*kq, nUk]
-    act = act & q_valid.view(1, 1, -1, 1)
-    return act.view(mask.batch, mask.heads, n_qt, kq, n_uk)
+    blocks = mask.blocks  # [Bm, Hm, nQ, nKV]
+    bm, hm, n_q, n_kv = blocks.shape
+    rq, rk = mask.block_q // q_unit, mask.block_kv // kv_unit
+    act = blocks
+    if rq > 1 or rk > 1:
+        act = blocks[:, :, :, None, :, None].expand(bm, hm, n_q, rq, n_kv, rk).reshape(bm, hm, n_q * rq, n_kv * rk)
+    act = act[:, :, :n_uq, :n_uk]
+    if n_qt * kq > n_uq:
+        act = torch.nn.functional.pad(act, (0, 0, 0, n_qt * kq - n_uq))  # padding query units: inactive
+    return act.reshape(bm, hm, n_qt, kq, n_uk)
 
 
-def contiguous_tiles(tile_any: torch.Tensor, slots: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Aligned groups of ``slots`` consecutive units that hold an active unit, in order.
-
-    Returns counts ``[..., nQT]`` int32 and the unit of each slot ``[..., nQT, cap, S]`` (-1 empty)."""
+def group_activity(tile_any: torch.Tensor, slots: int) -> torch.Tensor:
+    """Whether each aligned group of ``slots`` consecutive units holds an active unit.
+    ``[..., nUk]`` -> ``[..., ceil(nUk / slots)]`` bool (the input itself when ``slots == 1``)."""
+    if slots == 1:
+        return tile_any
     n_uk = tile_any.shape[-1]
-    padded = torch.nn.functional.pad(tile_any, (0, cap * slots - n_uk))
-    group_any = padded.view(*tile_any.shape[:-1], cap, slots).any(-1)  # [..., cap]
-    counts, order = compact_flags(group_any, cap)  # order: group index at each tile position
-    unit = order.unsqueeze(-1) * slots + torch.arange(slots, device=tile_any.device)
-    unit = torch.where((order.unsqueeze(-1) >= 0) & (unit < n_uk), unit, torch.full_like(unit, -1))
-    return counts, unit
+    n_groups = math.ceil(n_uk / slots)
+    padded = torch.nn.functional.pad(tile_any, (0, n_groups * slots - n_uk))
+    return padded.view(*tile_any.shape[:-1], n_groups, slots).any(-1)
 
 
-def packed_tiles(tile_any: torch.Tensor, slots: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The active units of each query tile, ascending, ``slots`` per tile."""
-    active_units = tile_any.sum(-1, dtype=torch.int32)
-    _, order = compact_flags(tile_any, cap * slots)  # unit at each packed position
-    counts = (active_units + slots - 1) // slots
-    return counts.to(torch.int32), order.view(*tile_any.shape[:-1], cap, slots)
+def membership_words(act: torch.Tensor, unit: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Pack bit (a * S + s) = act[a, unit of slot s] for every tile (0 where the slot is empty).
 
-
-def compact_flags(flags: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stream compaction along the last dim without a host sync.
-
-    Returns the number of set flags ``[...]`` int32 and, padded to ``width`` with -1, the indices of
-    the set flags in ascending order ``[..., width]`` int64."""
-    n = flags.shape[-1]
-    rank = flags.to(torch.int32).cumsum(-1) - 1
-    target = torch.where(flags, rank.to(torch.int64), torch.full_like(rank, width, dtype=torch.int64))
-    index = torch.arange(n, device=flags.device).expand(flags.shape)
-    out = torch.full((*flags.shape[:-1], width + 1), -1, dtype=torch.int64, device=flags.device)
-    out.scatter_(-1, target, index)
-    return flags.sum(-1, dtype=torch.int32), out[..., :width]
-
-
-def membership_words(act: torch.Tensor, slot_units: torch.Tensor, kq: int, slots: int) -> torch.Tensor:
-    """Pack bit (a * S + s) = act[a, unit of slot s] for every tile. ``[Bm, Hm, nQT, cap]`` int64."""
-    bm, hm, n_qt, _, n_uk = act.shape
-    cap = slot_units.shape[-2]
+    ``act [Bm, Hm, nQT, kq, nUk]`` bool, ``unit`` (clamped into range) and ``live`` ``[Bm, Hm, nQT,
+    cap, S]``. Returns ``[Bm, Hm, nQT, cap]`` int64."""
+    bm, hm, n_qt, kq, _ = act.shape
+    cap, slots = unit.shape[-2:]
     # Gather each slot's activity column for every query unit: [Bm, Hm, nQT, kq, cap * S].
-    idx = slot_units.clamp_min(0).view(bm, hm, n_qt, 1, cap * slots).expand(bm, hm, n_qt, kq, cap * slots)
-    bits = torch.gather(act, 4, idx) & (slot_units >= 0).view(bm, hm, n_qt, 1, cap * slots)
-    bits = bits.view(bm, hm, n_qt, kq, cap, slots).permute(0, 1, 2, 4, 3, 5).reshape(bm, hm, n_qt, cap, kq * slots)
-    # Bytes of the little-endian word, then the 8 bytes viewed as one int64: a handful of launches
-    # instead of one per bit, and no int64 overflow at bit 63.
-    bits = torch.nn.functional.pad(bits.to(torch.uint8), (0, MEMBERSHIP_BITS - kq * slots))
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=act.device)
-    word_bytes = (bits.view(bm, hm, n_qt, cap, 8, 8) * weights).sum(-1, dtype=torch.uint8)
-    return word_bytes.contiguous().view(torch.int64).view(bm, hm, n_qt, cap)
+    index = unit.view(bm, hm, n_qt, 1, cap * slots).expand(bm, hm, n_qt, kq, cap * slots)
+    bits = torch.gather(act, 4, index) & live.view(bm, hm, n_qt, 1, cap * slots)
+    bits = bits.view(bm, hm, n_qt, kq, cap, slots)
+    if kq * slots <= 8:
+        # The word fits one byte (every plan of the larger block families): shift each bit into
+        # place and add over (a, s) in uint8, with no reordering copy.
+        shifts = torch.arange(kq * slots, dtype=torch.uint8, device=act.device).view(kq, 1, slots)
+        return (bits.view(torch.uint8) << shifts).sum((3, 5), dtype=torch.uint8).to(torch.int64)
+    return pack_bits(bits.transpose(3, 4).reshape(bm, hm, n_qt, cap, kq * slots))
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``[..., nbits]`` bool (nbits <= 64) -> ``[...]`` int64 with bit i = ``bits[..., i]``.
+
+    Bytes of the little-endian word in uint8, then the 8 bytes viewed as one int64: a handful of
+    launches at any width, nothing wider than a byte per bit, no int64 overflow at bit 63."""
+    nbits = bits.shape[-1]
+    nbytes = -(-nbits // 8)
+    as_bytes = bits.contiguous().view(torch.uint8)  # 0 / 1 per bit
+    if nbytes * 8 > nbits:
+        as_bytes = torch.nn.functional.pad(as_bytes, (0, nbytes * 8 - nbits))
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    word_bytes = (as_bytes.view(*bits.shape[:-1], nbytes, 8) << shifts).sum(-1, dtype=torch.uint8)
+    if nbytes < 8:
+        word_bytes = torch.nn.functional.pad(word_bytes, (0, 8 - nbytes))
+    return word_bytes.view(torch.int64).view(bits.shape[:-1])
 
 
 def unit_runs(tile_any: torch.Tensor, kv_unit: int, seq_len_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,11 +276,14 @@ def unit_runs(tile_any: torch.Tensor, kv_unit: int, seq_len_kv: int) -> tuple[to
     box loads). Returns counts ``[...]``, starts and lengths ``[..., capR]`` int32."""
     n_uk = tile_any.shape[-1]
     cap_r = max(1, math.ceil(n_uk / 2))
-    prev = torch.nn.functional.pad(tile_any[..., :-1], (1, 0))
-    nxt = torch.nn.functional.pad(tile_any[..., 1:], (0, 1))
-    counts, first = compact_flags(tile_any & ~prev, cap_r)
-    _, last = compact_flags(tile_any & ~nxt, cap_r)
-    starts = torch.where(first >= 0, first * kv_unit, first)
+    padded = torch.nn.functional.pad(tile_any, (1, 1))
+    inner = padded[..., 1:-1]
+    starts_so_far = (inner > padded[..., :-2]).cumsum(-1, dtype=torch.int32)
+    ends_so_far = (inner > padded[..., 2:]).cumsum(-1, dtype=torch.int32)
+    first = set_flag_positions(starts_so_far, cap_r)  # n_uk past the last run
+    last = set_flag_positions(ends_so_far, cap_r)
+    live = first < n_uk
+    starts = torch.where(live, first * kv_unit, -1)
     ends = torch.clamp((last + 1) * kv_unit, max=seq_len_kv)
-    lengths = torch.where(first >= 0, ends - starts, torch.zeros_like(starts))
-    return counts, starts.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous()
+    lengths = torch.where(live, ends - starts, 0)
+    return starts_so_far[..., -1].contiguous(), starts.to(torch.int32), lengths.to(torch.int32)

@@ -7,9 +7,10 @@
 Order of decision:
 
 1. The plan table of the request's architecture (the shipped one, ``$TESSERA_PLAN_TABLE``, or one
-   given to the Selector): key -> bucket -> regime, a tree over mask statistics that reads the small
-   stats tensor once, and only when it has splits -> the regime's ranking, scanned with eligibility;
-   the first eligible plan wins. A bucket the table lacks gives the key's base plan.
+   given to the Selector): key -> bucket -> regime, a tree over mask statistics that reads them to
+   the host once (``MaskState.host_stat_values``), and only when it has splits -> the regime's
+   ranking, scanned with eligibility; the first eligible plan wins. A bucket the table lacks gives
+   the key's base plan.
 2. Otherwise (no table, key not profiled, table rejected, every ranked plan ineligible) the analytic
    roofline cost model ranks every eligible catalog plan.
 3. No eligible native plan: None, the reference oracle (warned once on CUDA).
@@ -19,7 +20,9 @@ with the ``PlanTableError`` message and ranks with the cost model.
 
 Caches: per request, its table lookup and its eligible catalog plans; per (request, regime), the
 Selection — so a new mask in a regime already seen skips the ranking scan. Exact repeats (the same
-mask object) never reach the Selector: ``Runtime`` reuses their prepared plan.
+mask object) never reach the Selector: ``Runtime`` reuses their prepared plan. The loaded library's
+kernel list and each request's eligible catalog plans are pure functions, cached per process, so a
+fresh Selector (a cold ``Runtime``) pays for neither again.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache, lru_cache
 
 from .catalog import all_kernels, plans_for
-from .cost_model import estimate_ms
+from .cost_model import estimate_many
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
@@ -94,6 +98,7 @@ class RequestEntry:
     notes: tuple[str, ...]
     by_regime: dict = field(default_factory=dict)  # regime index -> Selection (or EVERY_PLAN_REJECTED)
     eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
+    eligible_names: tuple[str, ...] = ()
     rejected: tuple[tuple[str, str], ...] = ()
 
 
@@ -101,12 +106,36 @@ def discover_kernels(arch: str) -> tuple[tuple[KernelSpec, ...], str | None]:
     """The native kernels a request of ``arch`` can run, or none and why."""
     if arch == "cpu":
         return (), "CPU tensors run on the reference path"
-    from . import ops  # the native library is loaded on first native use only
-
     try:
-        return ops.available_kernels(), None
+        return library_kernels(), None
     except CatalogError as err:
         return (), f"native kernels unavailable ({err})"
+
+
+@cache
+def library_kernels() -> tuple[KernelSpec, ...]:
+    """``ops.available_kernels()`` once per process, like the library load it reads (a failure is not
+    kept: the next call tries again). A fresh ``Selector`` — one per cold ``Runtime`` — then costs
+    no catalog rebuild, and the table's catalog check hashes the same tuple object."""
+    from . import ops  # the native library is loaded on first native use only
+
+    return ops.available_kernels()
+
+
+@lru_cache(maxsize=256)
+def catalog_plans(request: Request, kernels: tuple[KernelSpec, ...]) -> tuple[
+        tuple[PhysicalPlan, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The cost model's candidates for ``request``: eligible catalog plans, their names, and the
+    rejected ones with reasons. A pure function of its arguments, cached across Selectors, so a cold
+    ``Runtime`` does not re-run eligibility over the whole catalog (hundreds of plans)."""
+    eligible, rejected = [], []
+    for plan in plans_for(request.block_q, request.block_kv, kernels) if kernels else ():
+        reason = rejection(plan, request)
+        if reason is None:
+            eligible.append(plan)
+        else:
+            rejected.append((plan.name, reason))
+    return tuple(eligible), tuple(p.name for p in eligible), tuple(rejected)
 
 
 @dataclass
@@ -144,7 +173,7 @@ class Selector:
         if entry is None:
             entry = self._entry(request, warn)
         if entry.regimes:
-            index = entry.tree.regime_of(state.stats.tolist()) if entry.stats_needed else 0
+            index = entry.tree.regime_of(state.host_stat_values) if entry.stats_needed else 0
             cached = entry.by_regime.get(index)
             if cached is None:
                 cached = self._scan(entry, index, request, full=False) or EVERY_PLAN_REJECTED
@@ -159,7 +188,7 @@ class Selector:
         """The full decision for ``explain``: every ranked plan checked, every rejection kept."""
         entry = self._requests.get(request) or self._entry(request, warn)
         if entry.regimes:
-            index = entry.tree.regime_of(state.stats.tolist()) if entry.stats_needed else 0
+            index = entry.tree.regime_of(state.host_stat_values) if entry.stats_needed else 0
             selection = self._scan(entry, index, request, full=True)
             if selection is not None:
                 return selection
@@ -266,22 +295,16 @@ class Selector:
         if entry.regimes:
             notes = notes + ("every plan of the regime's ranking was rejected: cost model",)
         if entry.eligible is None:
-            kernels = self.context(request.arch).kernels
-            eligible, rejected = [], []
-            for plan in plans_for(request.block_q, request.block_kv, kernels) if kernels else ():
-                reason = rejection(plan, request)
-                if reason is None:
-                    eligible.append(plan)
-                else:
-                    rejected.append((plan.name, reason))
-            entry.eligible, entry.rejected = tuple(eligible), tuple(rejected)
+            catalog = catalog_plans(request, self.context(request.arch).kernels)
+            entry.eligible, entry.eligible_names, entry.rejected = catalog
         if not entry.eligible:
             rejected = entry.rejected or (("native", notes[-1] if notes else "no plans"),)
             return Selection(request, (), rejected, None, "cost model", None, notes)
         stats = state.host_stats()
-        scored = sorted(((estimate_ms(p, request, stats), p) for p in entry.eligible), key=lambda item: item[0])
-        return Selection(request, tuple((p.name, ms) for ms, p in scored), entry.rejected, scored[0][1],
-                         "cost model", None, notes)
+        estimates = estimate_many(entry.eligible, request, stats)
+        order = sorted(range(len(estimates)), key=estimates.__getitem__)  # stable: ties keep catalog order
+        ranking = tuple((entry.eligible_names[i], estimates[i]) for i in order)
+        return Selection(request, ranking, entry.rejected, entry.eligible[order[0]], "cost model", None, notes)
 
 
 def warn_user(message: str) -> None:
