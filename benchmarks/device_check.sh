@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One device call: environment, install (no network; the native library and wheels are carried),
 # then the steps named on the command line, in order:
+#   smoke      benchmarks/sanitize_check.py alone under a short timeout (SMOKE_ARGS); a failure or
+#              a hang stops the remaining steps
 #   tests      GPU tests (every catalog entry x family x layout x splits)
-#   sanitize   compute-sanitizer memcheck + racecheck on representative plans, SASS instruction counts
+#   sanitize   compute-sanitizer memcheck + racecheck + synccheck on representative plans (SANITIZE_ARGS,
+#              e.g. --family hopper), SASS instruction counts
 #   quick      benchmarks/portable_quick.py (every portable plan on simple video masks)
 #   harness    tessera bench default subset (HARNESS_ARGS, HARNESS_TIMEOUT)
 #   kernels    benchmarks/kernels.py (KERNELS_ARGS, KERNELS_TIMEOUT)
 #   loop       benchmarks/diffusion_loop.py (LOOP_ARGS, LOOP_TIMEOUT)
+#   probe      benchmarks/baseline_probe.py (PROBE_ARGS): why FlexAttention and FlashInfer-fa3 depart from anchors
 #   demo       tessera demo --device cuda (the README's main job on the GPU)
 #   profile    tessera profile (PROFILE_MINUTES, PROFILE_ARGS); records and table under $OUT/profile
 # Logs and results go to $OUT.
@@ -28,12 +32,16 @@ TESSERA_CUDA_ARCHS=none python3 -m pip install --no-deps --no-build-isolation --
 for STEP in "${@:-tests}"; do
   echo "=== $STEP ($(date +%T))"
   case "$STEP" in
+    smoke)
+      timeout ${SMOKE_TIMEOUT:-120} python3 benchmarks/sanitize_check.py ${SMOKE_ARGS:-} 2>&1 | tee "$OUT/smoke.log" | tail -12
+      rc=${PIPESTATUS[0]}
+      if [ "$rc" != 0 ]; then echo "smoke failed (rc=$rc): stopping"; exit 1; fi ;;
     tests)
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/test_native_gpu.py -q -p no:cacheprovider ${PYTEST_ARGS:-} \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
-        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/sanitize_check.py > "$OUT/sanitize_$tool.log" 2>&1
+        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/sanitize_check.py ${SANITIZE_ARGS:-} > "$OUT/sanitize_$tool.log" 2>&1
         echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done
       cuobjdump -sass tessera_diffusers/_native/libtessera_kernels.so 2>/dev/null > "$OUT/sass.txt"
@@ -46,9 +54,10 @@ for STEP in "${@:-tests}"; do
         2>&1 | tee "$OUT/harness.log" | tail -40
       (cd "$OUT" && tar czf harness.tgz harness && rm -rf harness) ;;
     kernels)
-      timeout ${KERNELS_TIMEOUT:-420} python3 benchmarks/kernels.py --out "$OUT/kernels" --no-progress ${KERNELS_ARGS:-} \
-        2>&1 | tee "$OUT/kernels.log" | tail -40
-      (cd "$OUT" && tar czf kernels.tgz kernels && rm -rf kernels) ;;
+      KTAG=${KERNELS_TAG:-kernels}
+      timeout ${KERNELS_TIMEOUT:-420} python3 benchmarks/kernels.py --out "$OUT/$KTAG" --no-progress ${KERNELS_ARGS:-} \
+        2>&1 | tee "$OUT/$KTAG.log" | tail -40
+      (cd "$OUT" && tar czf $KTAG.tgz $KTAG && rm -rf $KTAG) ;;
     loop)
       timeout ${LOOP_TIMEOUT:-420} python3 benchmarks/diffusion_loop.py --out "$OUT/loop" ${LOOP_ARGS:-} \
         2>&1 | tee "$OUT/loop.log" | tail -30
@@ -56,6 +65,8 @@ for STEP in "${@:-tests}"; do
     profile)
       timeout ${PROFILE_TIMEOUT:-420} python3 -m tessera_diffusers.cli profile --out "$OUT/profile" \
         --minutes ${PROFILE_MINUTES:-6} --no-progress ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -25 ;;
+    probe)
+      timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/baseline_probe.py --out "$OUT/probe" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" | tail -30 ;;
     demo)
       timeout ${DEMO_TIMEOUT:-120} tessera demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v "it/s" | tail -8 ;;
     *) echo "unknown step $STEP" ;;

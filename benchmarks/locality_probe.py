@@ -55,7 +55,7 @@ def main() -> int:
     q, k, v = (torch.randn(1, args.n, args.heads, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
     print(f"{'kernel':44s} {'mask':14s} {'ms':>8s} {'TF/s':>7s}")
     for name, mask in masks(args.n, args.heads, 128, args.width, device).items():
-        flops = 4 * 128 * mask.interactions()
+        flops = 4 * 128 * int(mask.interactions().sum())
         for kernel in kernels:
             plan = PhysicalPlan(128, 128, KvLayout.CONTIGUOUS, TaskOrganization(), kernel)
             prepared = prepare(plan, build_mask_state(mask))

@@ -4,6 +4,7 @@ case per Hopper template on sm90."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 
@@ -24,19 +25,24 @@ HOPPER_CASES = [
     ((128, 128), "hopper", (128, 128, 128, "bf16", 2, 8), KvLayout.CONTIGUOUS, TaskOrganization(Traversal.LONGEST_FIRST, 3)),
     ((16, 16), "hopper", (64, 128, 128, "fp16", 2, 4), KvLayout.PACKED, TaskOrganization()),
     ((384, 384), "hopper", (128, 64, 64, "bf16", 2, 8), KvLayout.CONTIGUOUS, TaskOrganization(persistent=True)),
+    ((64, 64), "hopper", (128, 128, 128, "bf16", 2, 8), KvLayout.PACKED, TaskOrganization(persistent=True)),
 ]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--family", choices=("portable", "hopper"), default=None, help="only this kernel family")
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     cases = PORTABLE_CASES + (HOPPER_CASES if torch.cuda.get_device_capability() == (9, 0) else [])
+    cases = [c for c in cases if args.family in (None, c[1])]
     built = ops.load_library().kernel_ids
     kernels = {(k.family.value, (k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps)): k
                for k in all_kernels() if k.name in built}
     failures = 0
     for (bq, bkv), family, key, layout, org in cases:
         kernel = kernels[(family, key)]
-        seq_q, seq_kv = 3 * bq + 19, 4 * bkv - 3
+        seq_q, seq_kv = max(3 * bq, 512) + 19, max(4 * bkv, 1024) - 3  # partial blocks, rows of several tiles
         mask = random_mask(1, 2, seq_q, seq_kv, bq, bkv, density=0.4, seed=bq, device=device)
         q, k, v = random_qkv(1, seq_q, seq_kv, 2, kernel.head_dim, kernel.torch_dtype, device, seed=bq)
         plan = PhysicalPlan(bq, bkv, layout, org, kernel)

@@ -49,13 +49,15 @@ def kernel_name(family: str, tile_q: int, tile_kv: int, head_dim: int, dtype: st
     return f"{family}_t{tile_q}x{tile_kv}_d{head_dim}_{dtype}_s{stages}_w{warps}_{arch}"
 
 
-# Tiles of the Hopper (sm90a, wgmma) family: one consumer warpgroup per 64 query rows.
+# Tiles of the Hopper (sm90a, wgmma) family: one consumer warpgroup per 64 query rows (``warps``
+# counts consumer warps; every variant adds one producer warpgroup). Stages: depth of the K and of
+# the V ring (separate barriers, so K of tile i + 1 loads while V of tile i is still read).
 HOPPER_TILES: tuple[TileConfig, ...] = (
     TileConfig(128, 128, 8),
     TileConfig(128, 64, 8),
     TileConfig(64, 128, 4),
 )
-HOPPER_STAGES: tuple[int, ...] = (2,)
+HOPPER_STAGES: tuple[int, ...] = (2, 3)
 
 
 def portable_rows() -> tuple[KernelRow, ...]:

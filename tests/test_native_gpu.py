@@ -9,15 +9,28 @@ import pytest
 import torch
 
 from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, prepare
-from tessera_diffusers.catalog import all_kernels, portable_kernels
+from tessera_diffusers.catalog import all_kernels
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.plans import Request
 from tessera_diffusers.testing import TEST_GEOMETRIES, check_against_reference, random_mask, random_qkv
 
 pytestmark = pytest.mark.gpu
 
-KERNELS = portable_kernels()  # the fixed kernels of the targeted tests below
 SPLITS = (1, 3)
+FAMILIES = ("portable", "hopper")
+
+
+def fixed_kernel(family: str, tile_q: int, tile_kv: int, head_dim: int, dtype: str):
+    """The 2-stage catalog entry of `family` with this shape (skips where it cannot run)."""
+    from tessera_diffusers import ops
+
+    if family == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper family needs sm90")
+    kernel = next(k for k in all_kernels() if k.family.value == family and (k.tile_q, k.tile_kv, k.head_dim, k.dtype)
+                  == (tile_q, tile_kv, head_dim, dtype) and k.stages == 2)
+    if kernel.name not in ops.load_library().kernel_ids:
+        pytest.skip(f"{kernel.name} is not in this build of the library")
+    return kernel
 
 
 def plans_to_check(kernel, block_q, block_kv):
@@ -63,12 +76,13 @@ def test_every_entry_on_every_family(kernel):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("splits", [1, 4])
-def test_poisoned_outputs_are_fully_written(splits):
+def test_poisoned_outputs_are_fully_written(splits, family):
     from tessera_diffusers import ops
 
     device = torch.device("cuda")
-    kernel = next(k for k in KERNELS if k.tile_q == 64 and k.tile_kv == 64 and k.head_dim == 128 and k.dtype == "bf16")
+    kernel = fixed_kernel(family, 64, 64 if family == "portable" else 128, 128, "bf16")
     mask = random_mask(1, 2, 1000, 1000, 32, 16, density=0.3, seed=5, device=device)
     q, k, v = random_qkv(1, 1000, 1000, 2, 128, torch.bfloat16, device, seed=5)
     plan = PhysicalPlan(32, 16, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, splits), kernel)
@@ -83,11 +97,12 @@ def test_poisoned_outputs_are_fully_written(splits):
     assert check_against_reference(out, lse, q, k, v, mask).ok()
 
 
-def test_persistent_grid_matches():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_persistent_grid_matches(family):
     from tessera_diffusers import ops
 
     device = torch.device("cuda")
-    kernel = next(k for k in KERNELS if k.tile_q == 128 and k.tile_kv == 128 and k.head_dim == 128 and k.dtype == "fp16")
+    kernel = fixed_kernel(family, 128, 128, 128, "fp16")
     mask = random_mask(2, 4, 3000, 2900, 64, 64, density=0.3, seed=7, device=device)
     q, k, v = random_qkv(2, 3000, 2900, 4, 128, torch.float16, device, seed=7)
     plan = PhysicalPlan(64, 64, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 1, persistent=True), kernel)
@@ -95,7 +110,8 @@ def test_persistent_grid_matches():
     assert check_against_reference(out, lse, q, k, v, mask, 0.1).ok()
 
 
-def test_offsets_past_two_to_the_31():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_offsets_past_two_to_the_31(family):
     """B * S * H * D > 2^31: the last (b, h) rows must still land in the right place."""
     from tessera_diffusers import LogicalMask, ops
 
@@ -109,7 +125,7 @@ def test_offsets_past_two_to_the_31():
     blocks = torch.zeros(batch, heads, n, n, dtype=torch.bool, device=device)
     blocks[-1, -1, -3:, -4:] = True  # only the very end of the tensors is active
     mask = LogicalMask(blocks, 128, 128, seq, seq)
-    kernel = next(k for k in KERNELS if k.tile_q == 128 and k.tile_kv == 128 and k.head_dim == 128 and k.dtype == "bf16")
+    kernel = fixed_kernel(family, 128, 128, 128, "bf16")
     plan = PhysicalPlan(128, 128, KvLayout.CONTIGUOUS, TaskOrganization(), kernel)
     out, lse = ops.run_native(prepare(plan, build_mask_state(mask)), q, k, v, 1 / math.sqrt(dim), True)
     r0 = (n - 3) * 128
@@ -140,7 +156,7 @@ def test_torch_compile_and_cuda_graph():
     from tessera_diffusers import ops
 
     device = torch.device("cuda")
-    kernel = next(k for k in KERNELS if k.tile_q == 64 and k.tile_kv == 128 and k.head_dim == 64 and k.dtype == "bf16")
+    kernel = fixed_kernel("portable", 64, 128, 64, "bf16")
     mask = random_mask(1, 2, 2048, 2048, 32, 32, density=0.3, seed=11, device=device)
     q, k, v = random_qkv(1, 2048, 2048, 2, 64, torch.bfloat16, device, seed=11)
     plan = PhysicalPlan(32, 32, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 2), kernel)

@@ -1,5 +1,6 @@
-// Compile-time shape of one Hopper (sm90a) kernel variant: tiles, warpgroups, wgmma tiled MMAs and
-// the 128-byte-swizzled shared-memory layouts they read. Every shape assumption is checked here.
+// Compile-time shape of one Hopper (sm90a) kernel variant: tiles, warpgroup roles and register
+// budgets, wgmma tiled MMAs and the 128-byte-swizzled shared-memory layouts they read. Every shape
+// assumption is checked here.
 #pragma once
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -18,10 +19,17 @@ struct Traits {
   static constexpr int kTileKV = kTileKV_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kStages = kStages_;
-  static constexpr int kWarpgroups = kTileQ / 64;  // one warpgroup per 64 query rows (wgmma M = 64)
-  static constexpr int kThreads = kWarpgroups * 128;
-  static constexpr int kChunkElems = 16 / int(sizeof(Element));
-  static constexpr int kChunksPerRow = kHeadDim / kChunkElems;
+  static constexpr int kWarpgroups = kTileQ / 64;  // consumer warpgroups: one per 64 query rows (wgmma M = 64)
+  static constexpr int kProducerThreads = 128;     // warpgroup 0: one thread issues the TMA copies
+  static constexpr int kConsumerThreads = kWarpgroups * 128;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  // Register budgets after setmaxnreg: 384 threads launch with 168 registers each (65536 / 384,
+  // rounded down to 8), 128 x 40 + 256 x 232 = 384 x 168.
+  // With one consumer warpgroup every thread already has up to 255 and nothing is moved.
+  static constexpr bool kReallocRegisters = kWarpgroups == 2;
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
   static constexpr int kMaxSlots = kTileKV / 16;
 
   // S = Q K^T: A (Q) and B (K) from shared memory, both K-major (head dim contiguous).
@@ -49,8 +57,10 @@ struct Traits {
   static_assert(kTileKV == 64 || kTileKV == 128, "KV tile 64 or 128");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert(kStages >= 2 && kStages <= 4, "pipeline depth 2-4");
-  static_assert((kTileKV * kChunksPerRow) % kThreads == 0, "K/V tile loads split evenly over threads");
-  static_assert((kTileQ * kChunksPerRow) % kThreads == 0, "Q tile loads split evenly over threads");
+  static_assert(kTileQ <= 256 && kTileKV <= 256, "one TMA box spans at most 256 rows");
+  static_assert(!kReallocRegisters || kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
+                                          (65536 / kThreads) / 8 * 8 * kThreads,
+                "register budgets fit the registers the CTA launches with");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA fits an H100/H200 SM");
   static_assert(size(typename MmaQK::AtomLayoutC_TV{}) > 0, "wgmma atom selected");
 };

@@ -1,0 +1,60 @@
+// Hopper epilogue: normalize the output accumulator by the row sums and store O (or the split-K
+// partial) and the log-sum-exp straight from the wgmma accumulator registers. Rows with no active
+// key get 0 and -inf.
+#pragma once
+#include "tessera/hopper/traits.cuh"
+#include "tessera/params.h"
+#include "tessera/tasks.cuh"
+
+namespace tessera::hopper {
+
+// Accumulator value order is (column pair, row half, n8 block): value e sits on row half
+// (e >> 1) & 1 of this thread, and the 4 lanes of a quad share each row.
+template <class T, class FragO, class CoordO>
+__device__ __forceinline__ void store_output(const TesseraAttnParams& p, const Task& t, const FragO& o,
+                                             const float (&row_max)[2], const float (&row_sum)[2],
+                                             const CoordO& coords, const int (&row_of_half)[2]) {
+  using Element = typename T::Element;
+  float inv[2], lse[2];
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    float sum = row_sum[half];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    inv[half] = sum > 0.f ? 1.f / sum : 0.f;
+    lse[half] = row_lse(row_max[half], sum);
+  }
+  const bool split = p.num_splits > 1;
+  const int64_t rows_per_split = int64_t(p.batch) * p.heads * p.seq_q;
+  CUTE_UNROLL
+  for (int e = 0; e < size(o); e += 2) {
+    const int half = (e >> 1) & 1;
+    const int row = t.q_tile * T::kTileQ + int(get<0>(coords(e)));
+    const int col = int(get<1>(coords(e)));
+    if (row >= p.seq_q) continue;
+    const float v0 = o(e) * inv[half], v1 = o(e + 1) * inv[half];
+    if (split) {
+      const int64_t part = int64_t(t.split) * rows_per_split + (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
+      *reinterpret_cast<float2*>(p.o_partial + part * T::kHeadDim + col) = make_float2(v0, v1);
+    } else {
+      Element* out = static_cast<Element*>(p.o) + int64_t(t.b) * p.o_stride[0] + int64_t(row) * p.o_stride[1] +
+                     int64_t(t.h) * p.o_stride[2] + col;
+      out[0] = static_cast<Element>(v0);
+      out[1] = static_cast<Element>(v1);
+    }
+  }
+  if ((threadIdx.x & 3) == 0) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int row = t.q_tile * T::kTileQ + row_of_half[half];
+      if (row >= p.seq_q) continue;
+      const int64_t bh_row = (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
+      if (split)
+        p.lse_partial[int64_t(t.split) * rows_per_split + bh_row] = lse[half];
+      else if (p.lse != nullptr)
+        p.lse[bh_row] = lse[half];
+    }
+  }
+}
+
+}  // namespace tessera::hopper

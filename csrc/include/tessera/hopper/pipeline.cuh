@@ -1,0 +1,169 @@
+// Hopper producer side: the mbarrier pipeline between the producer and the consumer warpgroups,
+// the TMA descriptors of Q, K and V, and the producer loop.
+//
+// K and V have separate barriers so a K stage is refilled as soon as its Q K^T is done, while the
+// V of the same tile is still being read by P V. Each buffer has a "full" barrier (one producer
+// arrival that sets the expected bytes, completed by the TMA transactions) and an "empty" barrier
+// (one arrival per consumer warp once its wgmma reads are done).
+//
+// Tiles are gathered by slot: slot j of a KV tile is kv_unit consecutive tokens starting at
+// slot_start[j] (the prepared-plan metadata, tessera_diffusers/prepare.py), one TMA box of
+// kv_unit rows x 64 columns per slot and head-dim half, written 128-byte-swizzled where the
+// consumers' wgmma descriptors expect it. Rows past Skv are zero-filled by TMA; empty slots load
+// rows of token 0; the consumers mask both. One thread issues every copy.
+#pragma once
+#include <cuda.h>  // CUtensorMap (the type only; descriptors are encoded through the runtime's driver entry point)
+#include <cutlass/arch/barrier.h>
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+
+#include "tessera/params.h"
+#include "tessera/tasks.cuh"
+
+namespace tessera::hopper {
+
+using Barrier = cutlass::arch::ClusterBarrier;
+using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+// TMA descriptors of one launch, passed as a __grid_constant__ kernel parameter. Q boxes are
+// kTileQ rows, K and V boxes kv_unit rows (both 64 head-dim columns, 128-byte swizzle).
+struct alignas(64) TmaDescriptors {
+  CUtensorMap q, k, v;
+};
+
+template <int kStages>
+struct PipelineBarriers {
+  uint64_t q_full, q_empty;
+  uint64_t k_full[kStages], k_empty[kStages];
+  uint64_t v_full[kStages], v_empty[kStages];
+
+  __device__ void init(int producer_arrivals, int consumer_warps) {
+    Barrier::init(&q_full, producer_arrivals);
+    Barrier::init(&q_empty, consumer_warps);
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&k_full[s], producer_arrivals);
+      Barrier::init(&k_empty[s], consumer_warps);
+      Barrier::init(&v_full[s], producer_arrivals);
+      Barrier::init(&v_empty[s], consumer_warps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+};
+
+// Position in a ring of kStages buffers: the stage and the parity of its current phase.
+template <int kStages>
+struct PipeState {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// A consumer warp is done with a buffer (lane 0 arrives for the warp; the barrier counts warps).
+__device__ __forceinline__ void release(uint64_t* bar) {
+  if ((threadIdx.x & 31) == 0) Barrier::arrive(bar);
+}
+
+// TMA loads of one KV tile of `map` (K or V) into one stage: per slot, one box per head-dim half.
+template <class T>
+__device__ __forceinline__ void load_kv_tile(const CUtensorMap* map, uint64_t* bar, typename T::Element* stage,
+                                             const int (&start)[T::kMaxSlots], int slots, int unit, const Task& t) {
+  constexpr int kHalves = T::kHeadDim / 64;
+  TxBarrier::arrive_and_expect_tx(bar, T::kTileKV * T::kHeadDim * int(sizeof(typename T::Element)));
+  CUTE_UNROLL
+  for (int j = 0; j < T::kMaxSlots; ++j) {
+    if (j >= slots) break;
+    CUTE_UNROLL
+    for (int dh = 0; dh < kHalves; ++dh)
+      SM90_TMA_LOAD_4D::copy(map, bar, uint64_t(TMA::CacheHintSm90::EVICT_LAST),
+                             stage + dh * T::kTileKV * 64 + j * unit * 64, dh * 64, start[j], t.h, t.b);
+  }
+}
+
+// The producer: walks the same task sequence as the consumers and fills Q once per task and K, V
+// once per KV tile, each after the consumers have released the buffer.
+template <class T>
+__device__ void producer_loop(const TesseraAttnParams& p, const TmaDescriptors& tma, typename T::Element* q_smem,
+                              typename T::Element* k_smem, typename T::Element* v_smem,
+                              PipelineBarriers<T::kStages>& bar) {
+  using Element = typename T::Element;
+  constexpr int kHalves = T::kHeadDim / 64;
+  if (threadIdx.x != 0) return;
+  cute::prefetch_tma_descriptor(&tma.q);
+  cute::prefetch_tma_descriptor(&tma.k);
+  cute::prefetch_tma_descriptor(&tma.v);
+  const int unit = 1 << p.kv_unit_log2;
+  PipeState<T::kStages> write;
+  uint32_t q_phase = 0;
+  const int64_t tasks = num_tasks(p);
+  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
+    const Task t = decode_task(p, task_id);
+    if (t.tile_end <= t.tile_begin) continue;  // the consumers write the empty-row epilogue alone
+
+    Barrier::wait(&bar.q_empty, q_phase ^ 1u);
+    TxBarrier::arrive_and_expect_tx(&bar.q_full, T::kTileQ * T::kHeadDim * int(sizeof(Element)));
+    CUTE_UNROLL
+    for (int dh = 0; dh < kHalves; ++dh)
+      SM90_TMA_LOAD_4D::copy(&tma.q, &bar.q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                             q_smem + dh * T::kTileQ * 64, dh * 64, t.q_tile * T::kTileQ, t.h, t.b);
+    q_phase ^= 1u;
+
+    for (int tile = t.tile_begin; tile < t.tile_end; ++tile) {
+      const int32_t* slots = tile_slots(p, t, tile);
+      int start[T::kMaxSlots];
+      CUTE_UNROLL
+      for (int j = 0; j < T::kMaxSlots; ++j) start[j] = j < p.slots ? max(__ldg(slots + j), 0) : 0;
+      const int64_t stage = int64_t(write.stage) * T::kTileKV * T::kHeadDim;
+      Barrier::wait(&bar.k_empty[write.stage], write.phase ^ 1u);
+      load_kv_tile<T>(&tma.k, &bar.k_full[write.stage], k_smem + stage, start, p.slots, unit, t);
+      Barrier::wait(&bar.v_empty[write.stage], write.phase ^ 1u);
+      load_kv_tile<T>(&tma.v, &bar.v_full[write.stage], v_smem + stage, start, p.slots, unit, t);
+      write.advance();
+    }
+  }
+}
+
+#ifndef __CUDACC_RTC__
+// Host: encode the three descriptors of one launch (0 on success, else a cudaError_t value).
+template <class T>
+int make_tma_descriptors(const TesseraAttnParams& p, TmaDescriptors& d) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return int(cudaErrorNotSupported);
+  constexpr size_t kBytes = sizeof(typename T::Element);
+  const CUtensorMapDataType type =
+      std::is_same_v<typename T::Element, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  auto one = [&](CUtensorMap* map, const void* base, const int64_t (&stride)[3], int seq, int rows) {
+    const cuuint64_t dims[4] = {cuuint64_t(T::kHeadDim), cuuint64_t(seq), cuuint64_t(p.heads), cuuint64_t(p.batch)};
+    const cuuint64_t strides[3] = {cuuint64_t(stride[1]) * kBytes, cuuint64_t(stride[2]) * kBytes,
+                                   cuuint64_t(stride[0]) * kBytes};
+    const cuuint32_t box[4] = {64u, cuuint32_t(rows), 1u, 1u};
+    const cuuint32_t unit_strides[4] = {1u, 1u, 1u, 1u};
+    return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  };
+  const int unit = 1 << p.kv_unit_log2;
+  if (one(&d.q, p.q, p.q_stride, p.seq_q, T::kTileQ) != CUDA_SUCCESS ||
+      one(&d.k, p.k, p.k_stride, p.seq_kv, unit) != CUDA_SUCCESS ||
+      one(&d.v, p.v, p.v_stride, p.seq_kv, unit) != CUDA_SUCCESS)
+    return int(cudaErrorInvalidValue);  // strides or base not 16-byte aligned, or a box past the limits
+  return 0;
+}
+#endif
+
+}  // namespace tessera::hopper
