@@ -633,7 +633,8 @@ def prebuild_flashinfer(backends: tuple[str, ...], clock: Clock, status: dict) -
 
 
 def plan_summary(wrapper: Any) -> dict:
-    info = list(getattr(wrapper, "_plan_info", []) or [])
+    raw = getattr(wrapper, "_plan_info", None)  # a list, or an int64 tensor in 0.3.1
+    info = [] if raw is None else (raw.tolist() if torch.is_tensor(raw) else list(raw))
     out = {"backend": getattr(wrapper, "_backend", None), "use_tensor_cores": getattr(wrapper, "_use_tensor_cores", None),
            "mask_mode": getattr(wrapper, "_mask_mode", None), "R": getattr(wrapper, "R", None),
            "C": getattr(wrapper, "C", None), "o_dtype": str(getattr(wrapper, "_o_dtype", None))}
