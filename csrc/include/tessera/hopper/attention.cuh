@@ -61,7 +61,7 @@ __device__ void consumer_loop(const TesseraAttnParams& p, SmemQ& sQ, SmemKV& sK,
   const int64_t tasks = num_tasks(p);
   for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
     const Task t = decode_task(p, task_id);
-    RowState<T, decltype(partition_fragment_C(mmas.pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{}))> st;
+    RowState<decltype(partition_fragment_C(mmas.pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{}))> st;
     static_assert(decltype(size(st.o))::value == T::kHeadDim / 2, "output accumulator: D / 2 values per thread");
     clear(st.o);
     st.row_max[0] = st.row_max[1] = -CUDART_INF_F;

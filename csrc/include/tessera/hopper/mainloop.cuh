@@ -82,7 +82,7 @@ template <class FragS>
 __device__ __forceinline__ void online_softmax(FragS& s, float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2],
                                                float scale_log2) {
   constexpr int kVals = decltype(size(s))::value;
-  constexpr int kLanes = 4;  // independent partial max / sum chains (latency, not throughput, bounds them)
+  constexpr int kLanes = 4;  // independent partial max / sum chains (shorter dependency chains)
   static_assert(kVals % (4 * kLanes) == 0, "row half values split evenly over the partial chains");
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
@@ -114,8 +114,8 @@ __device__ __forceinline__ void online_softmax(FragS& s, float (&row_max)[2], fl
 }
 
 // Per-thread state of one query tile: the output accumulator and the running row statistics.
-template <class T, class FragO>
-struct RowState {  // (T names the kernel variant the state belongs to)
+template <class FragO>
+struct RowState {
   FragO o;
   float row_max[2];
   float row_sum[2];
