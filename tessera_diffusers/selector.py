@@ -97,6 +97,8 @@ class RequestEntry:
     plans: dict  # plan name -> PhysicalPlan (the table's)
     notes: tuple[str, ...]
     by_regime: dict = field(default_factory=dict)  # regime index -> Selection (or EVERY_PLAN_REJECTED)
+    last_regime: int | None = None  # the regime the previous request of this entry fell in
+    cost_model_choice: Selection | None = None  # the previous cost-model decision (for reuse_regime)
     eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
     eligible_names: tuple[str, ...] = ()
     rejected: tuple[tuple[str, str], ...] = ()
@@ -147,15 +149,21 @@ class Selector:
             a ``PlanTable`` (used for requests of its architecture), or None (cost model only).
         kernels: the native catalog to rank; None discovers the loaded library's kernels (none on CPU).
         max_requests: distinct requests kept in the cache (oldest dropped first).
+        reuse_regime: the caller allows a new mask to take the regime of the previous mask of the
+            same request (or, without a table, the previous cost-model choice) without reading its
+            statistics: no host sync and no ranking. For loops whose consecutive masks of one
+            request are alike (the steps of a diffusion loop); ``forget_regimes()`` re-reads.
     """
 
     table: PlanTable | str | None = AUTO
     kernels: tuple[KernelSpec, ...] | None = None
     max_requests: int = 1024
+    reuse_regime: bool = False
     _arch: dict = field(default_factory=dict, repr=False)
     _requests: dict = field(default_factory=dict, repr=False)
     regime_hits: int = 0  # selections answered from the (request, regime) cache
     scans: int = 0  # ranking scans done
+    regime_reuses: int = 0  # selections that reused the previous regime without reading statistics
 
     # -- the online path -------------------------------------------------------------------------
 
@@ -173,7 +181,14 @@ class Selector:
         if entry is None:
             entry = self._entry(request, warn)
         if entry.regimes:
-            index = entry.tree.regime_of(state.host_stat_values) if entry.stats_needed else 0
+            if not entry.stats_needed:
+                index = 0
+            elif self.reuse_regime and entry.last_regime is not None:
+                index = entry.last_regime
+                self.regime_reuses += 1
+            else:
+                index = entry.tree.regime_of(state.host_stat_values)
+            entry.last_regime = index
             cached = entry.by_regime.get(index)
             if cached is None:
                 cached = self._scan(entry, index, request, full=False) or EVERY_PLAN_REJECTED
@@ -182,7 +197,11 @@ class Selector:
                 self.regime_hits += 1
             if cached is not EVERY_PLAN_REJECTED:
                 return cached
-        return self._cost_model(entry, request, state)
+        if self.reuse_regime and entry.cost_model_choice is not None:
+            self.regime_reuses += 1
+            return entry.cost_model_choice
+        entry.cost_model_choice = self._cost_model(entry, request, state)
+        return entry.cost_model_choice
 
     def rank(self, request: Request, state: MaskState, warn: Warn | None = None) -> Selection:
         """The full decision for ``explain``: every ranked plan checked, every rejection kept."""
@@ -197,6 +216,12 @@ class Selector:
     def clear(self) -> None:
         self._requests.clear()
         self._arch.clear()
+
+    def forget_regimes(self) -> None:
+        """With ``reuse_regime``: the next request of every key reads its mask's statistics again."""
+        for entry in self._requests.values():
+            entry.last_regime = None
+            entry.cost_model_choice = None
 
     # -- resolution (once per architecture / request) ----------------------------------------------
 

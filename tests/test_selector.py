@@ -63,6 +63,28 @@ def test_regime_lookup_then_cache_per_regime(table):
     assert selection.source == "plan table" and selection.regime is not None and "density <=" in selection.regime.rule
 
 
+def test_reuse_regime_reads_no_statistics_until_forgotten(table):
+    selector = Selector(table=table, kernels=portable_kernels(), reuse_regime=True)
+    sparse, dense = state_with_density(0.05), state_with_density(0.4)
+    assert selector.select(REQUEST, sparse) == SPLIT4  # the first mask of the request is read
+    assert "host_stat_values" in sparse.__dict__
+    assert selector.select(REQUEST, dense) == SPLIT4  # the caller allowed reuse: no sync, same regime
+    assert "host_stat_values" not in dense.__dict__ and selector.regime_reuses == 1
+    selector.forget_regimes()
+    assert selector.select(REQUEST, dense) == WIDE and "host_stat_values" in dense.__dict__
+    plain = Selector(table=table, kernels=portable_kernels())
+    assert plain.select(REQUEST, sparse) == SPLIT4 and plain.select(REQUEST, state_with_density(0.4, seed=2)) == WIDE
+
+
+def test_reuse_regime_keeps_the_cost_model_choice():
+    selector = Selector(table=None, kernels=portable_kernels(), reuse_regime=True)
+    first, second = state_with_density(0.05), state_with_density(0.4)
+    chosen = selector.select(REQUEST, first)
+    assert chosen is not None and "host_stat_values" in first.__dict__
+    assert selector.select(REQUEST, second) == chosen and "host_stat_values" not in second.__dict__
+    assert selector.regime_reuses == 1
+
+
 def test_ranked_fallback_keeps_the_reasons(table):
     short = Request(1, 24, SEQ, 100, 128, "bf16", 64, 64, "sm90")  # same bucket, two KV blocks: no 4-way split
     selector = Selector(table=table, kernels=portable_kernels())
