@@ -29,6 +29,14 @@ class DeviceRates:
 
 H200 = DeviceRates()
 
+ROW_UNION_KEY = "row_union_"  # stats[f"row_union_{r}"]: MaskState.row_union_ratios()[r]
+
+
+def row_union_stats(plans: Sequence[PhysicalPlan], block_q: int, state) -> dict[str, float]:
+    """The measured query-axis waste of every query-tile height in ``plans`` (one host sync)."""
+    rows = tuple(sorted({max(1, p.tile_q // block_q) for p in plans} - {1}))
+    return {f"{ROW_UNION_KEY}{r}": v for r, v in state.row_union_ratios(rows).items()} if rows else {}
+
 
 # Throughput on the computed (scheduled) area of unmasked tiles by family and (tile_q, tile_kv, warps),
 # TFLOP/s, measured on one H200 (bf16, D=128, N=32768, H=24, ~10% corpus masks; benchmarks/results/).
@@ -93,7 +101,9 @@ def tile_work_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rate
 
     kv_waste = coarsening_waste(req.block_kv, plan.tile_kv, mean_run)
     q_rows = max(1, plan.tile_q // req.block_q)
-    q_waste = 1.0 + (q_rows - 1) * (1.0 - overlap)  # union of the KV sets of q_rows block rows
+    # The union of the KV sets of q_rows block rows: measured on the mask where the caller gave it
+    # (``MaskState.row_union_ratios``), else estimated from the overlap of neighbouring rows.
+    q_waste = stats.get(f"{ROW_UNION_KEY}{q_rows}") or 1.0 + (q_rows - 1) * (1.0 - overlap)
     if plan.kv_layout is KvLayout.PACKED:
         kv_waste = 1.0  # gathered tiles are full up to the last one of each row
     computed = area * q_waste * kv_waste

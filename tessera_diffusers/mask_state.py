@@ -86,6 +86,26 @@ class MaskState:
         counts = self.stat_counts.cpu()
         return tuple(stats_from_counts(counts, self.kv_num_blocks.numel(), self.mask.blocks.numel()).tolist())
 
+    def row_union_ratios(self, rows: tuple[int, ...]) -> dict[int, float]:
+        """For each group size ``r``: the (query block, KV block) pairs a query tile of ``r`` consecutive
+        block rows computes — each of its rows runs over the union of their KV blocks — summed and
+        divided by the active blocks: the math of a coarsened query axis per active block (1 for an
+        empty mask, and for r = 1). One host sync for all sizes; kept per size."""
+        cache = self.__dict__.setdefault("_row_union_ratios", {})
+        missing = sorted({int(r) for r in rows if int(r) > 1 and int(r) not in cache})
+        if missing:
+            blocks = self.mask.blocks
+            n_q = blocks.shape[-2]
+            sums = [blocks.sum(dtype=torch.int64)]
+            for r in missing:
+                pad = (-n_q) % r
+                padded = torch.nn.functional.pad(blocks, (0, 0, 0, pad)) if pad else blocks
+                sums.append(padded.unflatten(-2, (-1, r)).any(-2).sum(dtype=torch.int64))
+            values = torch.stack(sums).tolist()
+            for r, union in zip(missing, values[1:]):
+                cache[r] = r * union / values[0] if values[0] else 1.0
+        return {int(r): (cache[int(r)] if int(r) > 1 else 1.0) for r in rows}
+
     def stat(self, which: Stat) -> float:
         """One statistic on the host (a sync: the caller's explicit choice)."""
         return self.host_stat_values[which]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from .catalog import all_kernels, plans_for
-from .cost_model import estimate_many
+from .cost_model import estimate_many, row_union_stats
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
@@ -325,7 +325,7 @@ class Selector:
         if not entry.eligible:
             rejected = entry.rejected or (("native", notes[-1] if notes else "no plans"),)
             return Selection(request, (), rejected, None, "cost model", None, notes)
-        stats = state.host_stats()
+        stats = state.host_stats() | row_union_stats(entry.eligible, request.block_q, state)
         estimates = estimate_many(entry.eligible, request, stats)
         order = sorted(range(len(estimates)), key=estimates.__getitem__)  # stable: ties keep catalog order
         ranking = tuple((entry.eligible_names[i], estimates[i]) for i in order)

@@ -72,3 +72,20 @@ def test_runs_of_the_design_example():
     state = build_mask_state(LogicalMask(row, 16, 16, 16, 192))
     assert state.stat(Stat.RUN_COVERAGE) == pytest.approx(3 / 4)
     assert state.stat(Stat.MEAN_RUN_LENGTH) == pytest.approx(2.0)
+
+
+def test_row_union_ratios_match_brute_force():
+    """The measured query-axis waste: r block rows computing the union of their KV blocks."""
+    mask = random_mask(2, 3, 1000, 900, 16, 32, density=0.3, seed=4)
+    state = build_mask_state(mask)
+    ratios = state.row_union_ratios((1, 3, 4, 8))
+    blocks = mask.blocks.float()
+    active = blocks.sum().item()
+    assert ratios[1] == 1.0
+    for r in (3, 4, 8):
+        # every query tile of r rows (a partial last tile too, as the kernels pad it) computes the union
+        expected = sum(r * blocks[b, h, i:i + r].amax(0).sum().item()
+                       for b in range(blocks.shape[0]) for h in range(blocks.shape[1])
+                       for i in range(0, blocks.shape[2], r))
+        assert abs(ratios[r] - expected / active) < 1e-9, (r, ratios[r], expected / active)
+    assert build_mask_state(random_mask(1, 1, 64, 64, 16, 16, density=0.0, empty_rows=False)).row_union_ratios((4,))[4] == 1.0
