@@ -20,17 +20,15 @@ from pathlib import Path
 import torch
 
 from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
+from tessera_diffusers.mask_state import group_activity
 
 TILES = ((128, 128), (64, 128), (128, 64), (64, 64))
 
 
 def computed_area(blocks: torch.Tensor, tile_q: int, tile_kv: int, block_q: int, block_kv: int) -> int:
     """Token pairs computed by a coarsened-Q, packed-KV mapping: ``blocks [H, nQ, nKV]`` bool."""
-    heads, n_q, n_kv = blocks.shape
     group_q, group_kv = max(1, tile_q // block_q), max(1, tile_kv // block_kv)
-    pad = (-n_q) % group_q
-    padded = torch.cat([blocks, blocks.new_zeros(heads, pad, n_kv)], 1) if pad else blocks
-    union = padded.view(heads, -1, group_q, n_kv).any(2)
+    union = group_activity(blocks, group_q, dim=-2)  # [H, nQT, nKV]: the KV blocks of each query tile
     tiles = (union.sum(-1) + group_kv - 1) // group_kv
     return int(tiles.sum()) * tile_q * tile_kv
 

@@ -16,6 +16,7 @@ of active blocks before the index tensor can be allocated:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import cached_property
@@ -95,12 +96,9 @@ class MaskState:
         missing = sorted({int(r) for r in rows if int(r) > 1 and int(r) not in cache})
         if missing:
             blocks = self.mask.blocks
-            n_q = blocks.shape[-2]
             sums = [blocks.sum(dtype=torch.int64)]
             for r in missing:
-                pad = (-n_q) % r
-                padded = torch.nn.functional.pad(blocks, (0, 0, 0, pad)) if pad else blocks
-                sums.append(padded.unflatten(-2, (-1, r)).any(-2).sum(dtype=torch.int64))
+                sums.append(group_activity(blocks, r, dim=-2).sum(dtype=torch.int64))
             values = torch.stack(sums).tolist()
             for r, union in zip(missing, values[1:]):
                 cache[r] = r * union / values[0] if values[0] else 1.0
@@ -125,6 +123,21 @@ def build_mask_state(mask: LogicalMask) -> MaskState:
     """mu(M): block-CSR plus statistics of ``mask``, computed on ``mask.device`` without a host
     sync when first read."""
     return MaskState(mask)
+
+
+def group_activity(flags: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
+    """Whether each aligned group of ``group`` consecutive entries along ``dim`` holds a True (the
+    last group padded with False). ``[..., n, ...]`` -> ``[..., ceil(n / group), ...]`` bool; the
+    input itself when ``group == 1``. Groups KV units into tiles (``prepare``) and query-block rows
+    into query tiles (``MaskState.row_union_ratios``)."""
+    if group == 1:
+        return flags
+    dim = dim % flags.dim()
+    n = flags.shape[dim]
+    n_groups = math.ceil(n / group)
+    if n_groups * group > n:
+        flags = torch.nn.functional.pad(flags, (0, 0) * (flags.dim() - 1 - dim) + (0, n_groups * group - n))
+    return flags.unflatten(dim, (n_groups, group)).any(dim + 1)
 
 
 def set_flag_positions(cumulative: torch.Tensor, width: int, out_int32: bool = False) -> torch.Tensor:

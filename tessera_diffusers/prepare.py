@@ -52,7 +52,7 @@ from functools import cached_property
 import torch
 
 from .errors import InvalidArgumentError
-from .mask_state import MaskState, set_flag_positions
+from .mask_state import MaskState, group_activity, set_flag_positions
 from .plans import MEMBERSHIP_BITS, KvLayout, PhysicalPlan, Traversal
 
 
@@ -222,17 +222,6 @@ def unit_activity(plan: PhysicalPlan, state: MaskState) -> torch.Tensor:
     if n_qt * kq > n_uq:
         act = torch.nn.functional.pad(act, (0, 0, 0, n_qt * kq - n_uq))  # padding query units: inactive
     return act.reshape(bm, hm, n_qt, kq, n_uk)
-
-
-def group_activity(tile_any: torch.Tensor, slots: int) -> torch.Tensor:
-    """Whether each aligned group of ``slots`` consecutive units holds an active unit.
-    ``[..., nUk]`` -> ``[..., ceil(nUk / slots)]`` bool (the input itself when ``slots == 1``)."""
-    if slots == 1:
-        return tile_any
-    n_uk = tile_any.shape[-1]
-    n_groups = math.ceil(n_uk / slots)
-    padded = torch.nn.functional.pad(tile_any, (0, n_groups * slots - n_uk))
-    return padded.view(*tile_any.shape[:-1], n_groups, slots).any(-1)
 
 
 def membership_words(act: torch.Tensor, unit: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
