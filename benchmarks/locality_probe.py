@@ -16,6 +16,7 @@ import re
 import torch
 
 from tessera_diffusers import KvLayout, LogicalMask, PhysicalPlan, TaskOrganization, build_mask_state, ops, prepare
+from tessera_diffusers.bench.timing import time_kernel
 from tessera_diffusers.catalog import all_kernels
 
 
@@ -28,18 +29,9 @@ def masks(n: int, heads: int, block: int, width: int, device) -> dict[str, Logic
             for name, m in (("band", band), ("same-columns", first))}
 
 
-def time_ms(fn, reps: int = 5) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+def time_ms(fn) -> float:
+    """Median of 5 CUDA-event timings after 2 warm-ups (the harness's timer)."""
+    return time_kernel(lambda _: fn(), 1, 2, 5, torch.device("cuda")).median_ms
 
 
 def main() -> int:

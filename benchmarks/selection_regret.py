@@ -22,14 +22,14 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from tessera_diffusers import build_mask_state
 from tessera_diffusers.corpus import CaseSpec
 from tessera_diffusers.corpus.grids import grid_named
 from tessera_diffusers.plan_table import load_plan_table
-from tessera_diffusers.plans import Request
+from tessera_diffusers.plans import DTYPE_NAMES, Request
 from tessera_diffusers.selector import AUTO, Selector
-
-DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def load_cases(path: Path) -> dict[str, dict]:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         mask = spec.build()
         state = build_mask_state(mask)
         request = Request(rec["batch"], rec["heads"], mask.seq_len_q, mask.seq_len_kv, rec["head_dim"],
-                          DTYPES[rec["dtype"]], mask.block_q, mask.block_kv, args.arch, False)
+                          DTYPE_NAMES[getattr(torch, rec["dtype"])], mask.block_q, mask.block_kv, args.arch, False)
         best_plan, best_ms = min(case["plans"].items(), key=lambda kv: kv[1])
         row = {"case": name, "best": best_plan, "best_ms": best_ms}
         for sel_name, selector in selectors.items():
