@@ -52,12 +52,16 @@ def kernel_name(family: str, tile_q: int, tile_kv: int, head_dim: int, dtype: st
 # Tiles of the Hopper (sm90a, wgmma) family: one consumer warpgroup per 64 query rows (``warps``
 # counts consumer warps; every variant adds one producer warpgroup). Stages: depth of the K and of
 # the V ring (separate barriers, so K of tile i + 1 loads while V of tile i is still read).
+# A 64 x 64 tile runs two CTAs per SM (one consumer warpgroup each), which only the 2-stage ring
+# fits at D = 128; it gives Q64 geometries their own 64-row tiles at the SM's two-warpgroup rate.
 HOPPER_TILES: tuple[TileConfig, ...] = (
     TileConfig(128, 128, 8),
     TileConfig(128, 64, 8),
     TileConfig(64, 128, 4),
+    TileConfig(64, 64, 4),
 )
 HOPPER_STAGES: tuple[int, ...] = (2, 3)
+HOPPER_TILE_STAGES: dict[tuple[int, int], tuple[int, ...]] = {(64, 64): (2,)}
 
 
 def portable_rows() -> tuple[KernelRow, ...]:
@@ -78,7 +82,7 @@ def hopper_rows() -> tuple[KernelRow, ...]:
         for d in HEAD_DIMS
         for dt in DTYPES
         for t in HOPPER_TILES
-        for st in HOPPER_STAGES
+        for st in HOPPER_TILE_STAGES.get((t.tile_q, t.tile_kv), HOPPER_STAGES)
     )
 
 

@@ -4,6 +4,7 @@
 //                    (pipeline.cuh); the rest of the warpgroup only gives its registers away;
 //   warpgroups 1..2  consumers, one per 64 query rows: wgmma Q K^T and P V, masking and the online
 //                    softmax overlapped with the previous P V (mainloop.cuh), epilogue (epilogue.cuh).
+// 64 x 64 tiles run two CTAs per SM (traits.cuh), so two independent 64-row tasks share the SM.
 // The persistent task schedule (longest rows first, split-K parts) is shared with the portable
 // family (tessera/tasks.cuh), as is the metadata format (tessera_diffusers/prepare.py).
 #pragma once
@@ -72,7 +73,7 @@ __device__ void consumer_loop(const TesseraAttnParams& p, SmemQ& sQ, SmemKV& sK,
 }
 
 template <class T>
-__global__ void __launch_bounds__(T::kThreads, 1)
+__global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     attention_kernel(const __grid_constant__ TesseraAttnParams p, const __grid_constant__ TmaDescriptors tma) {
   using Element = typename T::Element;
   extern __shared__ unsigned char smem_raw[];

@@ -24,12 +24,23 @@ struct Traits {
   static constexpr int kConsumerThreads = kWarpgroups * 128;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // Register budgets after setmaxnreg: 384 threads launch with 168 registers each (65536 / 384,
-  // rounded down to 8), 128 x 40 + 256 x 232 = 384 x 168.
-  // With one consumer warpgroup every thread already has up to 255 and nothing is moved.
-  static constexpr bool kReallocRegisters = kWarpgroups == 2;
+
+  static constexpr int kSmemQBytes = kTileQ * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemKVBytes = kTileKV * kHeadDim * kStages * int(sizeof(Element));
+  static constexpr int kSmemBytes = kSmemQBytes + 2 * kSmemKVBytes + 1024;  // + alignment slack
+  // A 64 x 64 tile has one consumer warpgroup and needs at most 113 KB, so two CTAs share an SM
+  // and each one's softmax overlaps the other's GEMMs (the role the second consumer warpgroup of
+  // a 128-row tile plays); 1 KB of every CTA's 228 KB is reserved by the hardware.
+  static constexpr int kCtasPerSm = kTileQ == 64 && kTileKV == 64 && 2 * (kSmemBytes + 2048) <= 228 * 1024 ? 2 : 1;
+
+  // Register budgets after setmaxnreg. 384 threads at one CTA per SM launch with 168 registers each
+  // (65536 / 384, rounded down to 8): 128 x 40 + 256 x 232 = 384 x 168. 256 threads at two CTAs
+  // per SM launch with 128: 128 x 40 + 128 x 216 = 256 x 128. One consumer warpgroup alone on an
+  // SM already has up to 255 per thread and nothing is moved.
+  static constexpr bool kReallocRegisters = kWarpgroups == 2 || kCtasPerSm == 2;
+  static constexpr int kLaunchRegisters = (65536 / (kThreads * kCtasPerSm)) / 8 * 8;
   static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kConsumerRegisters = kWarpgroups == 2 ? 232 : 216;
   static constexpr int kMaxSlots = kTileKV / 16;
 
   // S = Q K^T: A (Q) and B (K) from shared memory, both K-major (head dim contiguous).
@@ -49,17 +60,13 @@ struct Traits {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kTileKV>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
-  static constexpr int kSmemQBytes = kTileQ * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemKVBytes = kTileKV * kHeadDim * kStages * int(sizeof(Element));
-  static constexpr int kSmemBytes = kSmemQBytes + 2 * kSmemKVBytes + 1024;  // + alignment slack
-
   static_assert(kTileQ % 64 == 0 && kWarpgroups <= 2, "64 or 128 query rows (one or two consumer warpgroups)");
   static_assert(kTileKV == 64 || kTileKV == 128, "KV tile 64 or 128");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert(kStages >= 2 && kStages <= 4, "pipeline depth 2-4");
   static_assert(kTileQ <= 256 && kTileKV <= 256, "one TMA box spans at most 256 rows");
   static_assert(!kReallocRegisters || kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
-                                          (65536 / kThreads) / 8 * 8 * kThreads,
+                                          kLaunchRegisters * kThreads,
                 "register budgets fit the registers the CTA launches with");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA fits an H100/H200 SM");
   static_assert(size(typename MmaQK::AtomLayoutC_TV{}) > 0, "wgmma atom selected");
