@@ -12,6 +12,7 @@
 #   loop       benchmarks/diffusion_loop.py (LOOP_ARGS, LOOP_TIMEOUT)
 #   probe      benchmarks/baseline_probe.py (PROBE_ARGS): why FlexAttention and FlashInfer-fa3 depart from anchors
 #   demo       tessera demo --device cuda (the README's main job on the GPU)
+#   request    benchmarks/request_breakdown.py (REQUEST_ARGS): where a cold request's time goes
 #   profile    tessera profile (PROFILE_MINUTES, PROFILE_ARGS); records and table under $OUT/profile
 # Logs and results go to $OUT.
 set -u
@@ -67,6 +68,9 @@ for STEP in "${@:-tests}"; do
         --minutes ${PROFILE_MINUTES:-6} --no-progress ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -25 ;;
     probe)
       timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/baseline_probe.py --out "$OUT/probe" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" | tail -30 ;;
+    request)
+      timeout ${REQUEST_TIMEOUT:-240} python3 benchmarks/request_breakdown.py --out "$OUT/request_breakdown.json" \
+        ${REQUEST_ARGS:-} 2>&1 | tee "$OUT/request.log" | tail -30 ;;
     demo)
       timeout ${DEMO_TIMEOUT:-120} tessera demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v "it/s" | tail -8 ;;
     *) echo "unknown step $STEP" ;;

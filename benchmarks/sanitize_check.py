@@ -1,6 +1,6 @@
 """A small run of representative native plans for compute-sanitizer (memcheck / racecheck /
 synccheck): contiguous, packed, refined, split-K and persistent, partial blocks and empty rows; one
-case per Hopper template on sm90."""
+case per Hopper template on sm90 (two for the 64 x 64 tile, which runs two CTAs per SM)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ HOPPER_CASES = [
     ((16, 16), "hopper", (64, 128, 128, "fp16", 2, 4), KvLayout.PACKED, TaskOrganization()),
     ((384, 384), "hopper", (128, 64, 64, "bf16", 2, 8), KvLayout.CONTIGUOUS, TaskOrganization(persistent=True)),
     ((64, 64), "hopper", (128, 128, 128, "bf16", 2, 8), KvLayout.PACKED, TaskOrganization(persistent=True)),
+    # The 64 x 64 tile runs two CTAs per SM: direct and persistent, and packed with split-K.
+    ((64, 64), "hopper", (64, 64, 128, "bf16", 2, 4), KvLayout.CONTIGUOUS, TaskOrganization(persistent=True)),
+    ((32, 16), "hopper", (64, 64, 64, "fp16", 2, 4), KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 2)),
 ]
 
 

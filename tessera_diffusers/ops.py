@@ -159,9 +159,9 @@ def aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(st % elems == 0 for st in t.stride()[:3])
 
 
-def fill_strides(field, t: torch.Tensor) -> None:
+def fill_strides(field, strides: tuple[int, ...]) -> None:
     for i in range(3):
-        field[i] = t.stride(i)
+        field[i] = strides[i]
 
 
 @torch.library.custom_op("tessera::sparse_attention_fwd", mutates_args=(), device_types="cuda")
@@ -202,6 +202,84 @@ def _(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, sc
     return q.new_empty(q.shape), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class LaunchTemplate:
+    """Everything of a launch fixed by the prepared metadata and by the shapes, strides, dtype and
+    scale of the call: built once per such key, then copied and completed with the tensor pointers."""
+
+    kernel_id: int
+    params: TesseraAttnParams
+    merge: TesseraMergeParams | None  # split-K merge (num_splits > 1)
+
+    def fill(self, q, k, v, out, lse, workspace) -> tuple[TesseraAttnParams, TesseraMergeParams | None]:
+        p = TesseraAttnParams.from_buffer_copy(self.params)
+        p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        p.lse = lse.data_ptr() if lse is not None else None
+        m = None
+        if self.merge is not None:
+            assert workspace is not None  # internal: callers size it from PreparedPlan.workspace()
+            p.o_partial, p.lse_partial = workspace[0].data_ptr(), workspace[1].data_ptr()
+            m = TesseraMergeParams.from_buffer_copy(self.merge)
+            m.o_partial, m.lse_partial, m.o = p.o_partial, p.lse_partial, p.o
+            m.lse = p.lse
+        return p, m
+
+
+def launch_template(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tile_counts: torch.Tensor,
+    tile_slots: torch.Tensor,
+    tile_member: torch.Tensor,
+    q_order: torch.Tensor,
+    kernel: str,
+    config: list[int],
+    scale: float,
+    out_strides: tuple[int, ...],
+) -> LaunchTemplate:
+    """The fixed part of a launch (see ``LaunchTemplate``); ``out_strides`` are the output's."""
+    lib = load_library()
+    batch, seq_q, heads, head_dim = q.shape
+    num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, persistent = config
+    kid = lib.kernel_ids.get(kernel)
+    if kid is None:
+        raise CatalogError(f"kernel {kernel} is not in the loaded library {lib.path}")
+    grid_size = 0
+    if persistent:
+        grid_size = ctas_per_sm(kid, q.device.index or 0) * torch.cuda.get_device_properties(q.device).multi_processor_count
+    p = TesseraAttnParams()
+    fill_strides(p.q_stride, q.stride())
+    fill_strides(p.k_stride, k.stride())
+    fill_strides(p.v_stride, v.stride())
+    fill_strides(p.o_stride, out_strides)
+    p.batch, p.heads, p.seq_q, p.seq_kv = batch, heads, seq_q, k.shape[1]
+    p.mask_batch, p.mask_heads = tile_counts.shape[0], tile_counts.shape[1]
+    p.num_q_tiles, p.capacity, p.slots = num_q_tiles, capacity, slots
+    p.q_unit_log2, p.kv_unit_log2 = q_unit_log2, kv_unit_log2
+    p.num_splits, p.grid_size = num_splits, grid_size
+    p.tile_counts, p.tile_slots = tile_counts.data_ptr(), tile_slots.data_ptr()
+    p.tile_member, p.q_order = tile_member.data_ptr(), q_order.data_ptr()
+    p.scale_log2 = scale * LOG2E
+    m = None
+    if num_splits > 1:
+        m = TesseraMergeParams()
+        fill_strides(m.o_stride, out_strides)
+        m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits = batch, heads, seq_q, head_dim, num_splits
+        m.dtype = DTYPE_CODES[q.dtype]
+    return LaunchTemplate(kid, p, m)
+
+
+def launch_filled(template: LaunchTemplate, p: TesseraAttnParams, m: TesseraMergeParams | None,
+                  device: torch.device) -> None:
+    """Launch the attention kernel (and the split-K merge) of completed params on the current stream."""
+    lib = load_library()
+    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+    lib.check(lib.handle.tessera_attention_forward(template.kernel_id, ctypes.byref(p), stream), "attention")
+    if m is not None:
+        lib.check(lib.handle.tessera_split_merge(ctypes.byref(m), stream), "split-K merge")
+
+
 def launch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -219,44 +297,10 @@ def launch(
 ) -> None:
     """Launch the attention kernel (and the split-K merge) on the current stream; no sync, no
     allocation. q, k, v must be 16-byte aligned (``aligned``); out/lse/workspace sized by the caller."""
-    lib = load_library()
-    batch, seq_q, heads, head_dim = q.shape
-    num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, persistent = config
-    kid = lib.kernel_ids.get(kernel)
-    if kid is None:
-        raise CatalogError(f"kernel {kernel} is not in the loaded library {lib.path}")
-    grid_size = 0
-    if persistent:
-        grid_size = ctas_per_sm(kid, q.device.index or 0) * torch.cuda.get_device_properties(q.device).multi_processor_count
-    p = TesseraAttnParams()
-    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-    p.lse = lse.data_ptr() if lse is not None else None
-    fill_strides(p.q_stride, q)
-    fill_strides(p.k_stride, k)
-    fill_strides(p.v_stride, v)
-    fill_strides(p.o_stride, out)
-    p.batch, p.heads, p.seq_q, p.seq_kv = batch, heads, seq_q, k.shape[1]
-    p.mask_batch, p.mask_heads = tile_counts.shape[0], tile_counts.shape[1]
-    p.num_q_tiles, p.capacity, p.slots = num_q_tiles, capacity, slots
-    p.q_unit_log2, p.kv_unit_log2 = q_unit_log2, kv_unit_log2
-    p.num_splits, p.grid_size = num_splits, grid_size
-    p.tile_counts, p.tile_slots = tile_counts.data_ptr(), tile_slots.data_ptr()
-    p.tile_member, p.q_order = tile_member.data_ptr(), q_order.data_ptr()
-    p.scale_log2 = scale * LOG2E
-    if num_splits > 1:
-        assert workspace is not None  # internal: callers size it from PreparedPlan.workspace()
-        p.o_partial, p.lse_partial = workspace[0].data_ptr(), workspace[1].data_ptr()
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    lib.check(lib.handle.tessera_attention_forward(kid, ctypes.byref(p), ctypes.c_void_p(stream)), "attention")
-    if num_splits > 1:
-        m = TesseraMergeParams()
-        m.o_partial, m.lse_partial = workspace[0].data_ptr(), workspace[1].data_ptr()
-        m.o = out.data_ptr()
-        m.lse = lse.data_ptr() if lse is not None else None
-        fill_strides(m.o_stride, out)
-        m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits = batch, heads, seq_q, head_dim, num_splits
-        m.dtype = DTYPE_CODES[q.dtype]
-        lib.check(lib.handle.tessera_split_merge(ctypes.byref(m), ctypes.c_void_p(stream)), "split-K merge")
+    template = launch_template(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale,
+                               out.stride())
+    p, m = template.fill(q, k, v, out, lse, workspace)
+    launch_filled(template, p, m, q.device)
 
 
 @cache
@@ -273,21 +317,42 @@ def run_native(
     scale: float,
     return_lse: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Run ``prepared`` with its native kernel (through the custom op; traceable by torch.compile)."""
+    """Run ``prepared`` with its native kernel.
+
+    Eager calls on real tensors take the direct path: the launch template of (prepared plan, shapes,
+    strides, scale) is built once and kept on the prepared plan, so a call allocates the output and
+    fills five pointers. Under ``torch.compile`` (or on fake / subclass tensors) the call goes through
+    the ``tessera::sparse_attention_fwd`` custom op, which the compiler can trace."""
     spec = prepared.plan.kernel
     if q.dtype != spec.torch_dtype or q.shape[-1] != spec.head_dim:
         raise InvalidArgumentError("q", f"dtype {spec.dtype} and head_dim {spec.head_dim} for {spec.name}",
                                    f"{q.dtype}, head_dim {q.shape[-1]}")
-    out, lse = torch.ops.tessera.sparse_attention_fwd(
-        q,
-        k,
-        v,
-        prepared.tile_counts,
-        prepared.tile_slots,
-        prepared.tile_member,
-        prepared.q_order,
-        spec.name,
-        prepared.launch_config(),
-        scale,
-    )
+    if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor for t in (q, k, v)):
+        out, lse = torch.ops.tessera.sparse_attention_fwd(
+            q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
+            spec.name, prepared.launch_config(), scale,
+        )
+        return (out, lse) if return_lse else out
+    return run_direct(prepared, q, k, v, scale, return_lse)
+
+
+def run_direct(prepared, q, k, v, scale, return_lse):
+    """``run_native``'s eager path (same contract): cached template, output allocation, one launch."""
+    q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
+    key = (q.shape, q.stride(), k.shape[1], k.stride(), v.stride(), q.dtype, q.device, scale)
+    templates = prepared.__dict__.setdefault("_launch_templates", {})
+    template = templates.get(key)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if template is None:
+        template = templates[key] = launch_template(
+            q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
+            prepared.plan.kernel.name, prepared.launch_config(), scale, out.stride(),
+        )
+    batch, seq_q, heads, head_dim = q.shape
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device) if return_lse else None
+    workspace = None
+    if template.merge is not None:
+        workspace = prepared.workspace(batch, heads, head_dim).allocate(q.device)
+    p, m = template.fill(q, k, v, out, lse, workspace)
+    launch_filled(template, p, m, q.device)
     return (out, lse) if return_lse else out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 
@@ -26,7 +27,12 @@ def device_arch(device: torch.device) -> str:
     """``"sm90"`` etc. for a CUDA device, ``"cpu"`` otherwise."""
     if device.type != "cuda":
         return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
+    return cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm{major}{minor}"
 
 
