@@ -16,7 +16,8 @@ HunyuanVideo-1.5 text handling) and the same sparsifier (SSTA-style tile window 
     dense       full attention, no mask (text padding dropped), diffusers' cuDNN SDPA backend
     flex        FlexAttention (torch.compile), BlockMask built from each new mask
     flashinfer  FlashInfer VariableBlockSparseAttentionWrapper, planned for each new mask
-    tessera     Tessera's runtime, prepared plan per mask
+    tessera     Tessera's runtime, prepared plan per mask; a layer's new mask reuses the previous
+                mask's plan-table regime (``Selector(reuse_regime=True)``)
 
 Attention time = GPU time inside the backend calls (each system's own mask preprocessing and
 planning included, whenever the mask changes); loop time = wall time of the whole loop (sparsifier,
@@ -48,6 +49,8 @@ from pathlib import Path
 
 import torch
 from tessera_diffusers.processors import TesseraBackend, TesseraProcessor
+from tessera_diffusers.runtime import Runtime
+from tessera_diffusers.selector import Selector
 from tessera_diffusers.processors.context import grid_from_latents, patch_size_of
 
 from tessera_diffusers.errors import InvalidArgumentError
@@ -454,7 +457,9 @@ def run_system(system: str, model, latents0, inputs, args, spec, device, dtype, 
             processor._attention_backend = args.dense_backend
     else:
         if system == "tessera":
-            backend = TesseraBackend()
+            # A loop's masks of one layer are alike from step to step: each new mask takes the
+            # previous one's plan-table regime without a statistics read (no host sync per step).
+            backend = TesseraBackend(Runtime(selector=Selector(reuse_regime=True)))
         elif system == "flex":
             backend = FlexBackend(compiled=device.type == "cuda")
         elif system == "flashinfer":
