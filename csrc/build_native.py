@@ -223,7 +223,7 @@ def build_native_library(
     with open(os.path.join(build_dir, "ptxas.log"), "w") as f:
         f.write("\n".join(ptxas_logs))
     manifest = {
-        "abi_version": 1,
+        "abi_version": abi_version(),
         "archs": archs,
         "kernels": [r.name for r in rows],
         "kernel_table_hash": hashlib.sha256("\n".join(r.name for r in rows).encode()).hexdigest()[:16],
@@ -233,6 +233,12 @@ def build_native_library(
         json.dump(manifest, f, indent=2)
     log(f"tessera: built {lib}", 2)
     return lib
+
+
+def abi_version() -> int:
+    """``TESSERA_ABI_VERSION`` of params.h (what the compiled library reports)."""
+    with open(os.path.join(HERE, "include", "tessera", "params.h")) as f:
+        return int(re.search(r"#define TESSERA_ABI_VERSION (\d+)", f.read()).group(1))
 
 
 def write_if_changed(path: str, text: str) -> None:

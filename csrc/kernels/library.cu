@@ -1,8 +1,10 @@
-// The C ABI of the kernel library: introspection (the manifest) and launches by kernel id.
+// The C ABI of the kernel library: introspection (the manifest), launches by kernel id, and the
+// native launch preparation and mask statistics (tessera/prepare.cuh).
 #include <cuda_runtime.h>
 
 #include "tessera/merge.cuh"
 #include "tessera/params.h"
+#include "tessera/prepare.cuh"
 #include "registry.inc"  // generated: declarations + TESSERA_KERNEL_ENTRIES
 
 namespace {
@@ -41,6 +43,32 @@ int tessera_split_merge(const TesseraMergeParams* params, void* stream) {
   return tessera::launch_split_merge(*params, static_cast<cudaStream_t>(stream));
 }
 
+int tessera_prepare_counts(const TesseraPrepareParams* params, int32_t* host_max_count, void* stream) {
+  if (params == nullptr) return int(cudaErrorInvalidValue);
+  return tessera::prep::launch_prepare_counts(*params, host_max_count, static_cast<cudaStream_t>(stream));
+}
+
+int tessera_prepare_fill(const TesseraPrepareParams* params, void* stream) {
+  if (params == nullptr) return int(cudaErrorInvalidValue);
+  return tessera::prep::launch_prepare_fill(*params, static_cast<cudaStream_t>(stream));
+}
+
+int tessera_mask_counts(const TesseraMaskCountsParams* params, int64_t* host_counts, void* stream) {
+  if (params == nullptr) return int(cudaErrorInvalidValue);
+  return tessera::prep::launch_mask_counts(*params, host_counts, static_cast<cudaStream_t>(stream));
+}
+
 const char* tessera_error_string(int error) { return cudaGetErrorString(static_cast<cudaError_t>(error)); }
+
+int tessera_struct_bytes(int which) {
+  switch (which) {
+    case TESSERA_STRUCT_ATTN: return int(sizeof(TesseraAttnParams));
+    case TESSERA_STRUCT_MERGE: return int(sizeof(TesseraMergeParams));
+    case TESSERA_STRUCT_BLOCK_MASK: return int(sizeof(TesseraBlockMask));
+    case TESSERA_STRUCT_PREPARE: return int(sizeof(TesseraPrepareParams));
+    case TESSERA_STRUCT_MASK_COUNTS: return int(sizeof(TesseraMaskCountsParams));
+    default: return -1;
+  }
+}
 
 }  // extern "C"
