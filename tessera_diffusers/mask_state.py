@@ -12,11 +12,17 @@ of active blocks before the index tensor can be allocated:
     row_offsets[r]            exclusive prefix sum of kv_num_blocks (offsets into a compact CSR)
 
 ``compact_indices()`` gives the classic compact CSR column array (one host sync for its size).
+
+On CUDA the statistics' counts, ``kv_num_blocks`` and the row-union sums come from one native launch
+(``native_prepare.launch_mask_counts``, the same integers as the torch code below, which stays the
+CPU path and the oracle) and reach the host in one read.
 """
 
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import cached_property
@@ -70,6 +76,9 @@ class MaskState:
     @cached_property
     def stat_counts(self) -> torch.Tensor:
         """The exact integer counts the statistics are ratios of (``count_blocks``). ``[6]`` int64."""
+        native = self.native_counts()
+        if native is not None:
+            return native.counts
         return count_blocks(self.mask.blocks, self.kv_num_blocks)
 
     @cached_property
@@ -84,6 +93,11 @@ class MaskState:
         only wants host values (the selector)."""
         if "stats" in self.__dict__:
             return tuple(self.stats.tolist())
+        native = self.native_counts(read=True)
+        if native is not None:
+            blocks = self.mask.blocks
+            rows = blocks.shape[0] * blocks.shape[1] * blocks.shape[2]
+            return host_stats_from_counts(native.host_counts(), rows, blocks.numel())
         counts = self.stat_counts.cpu()
         return tuple(stats_from_counts(counts, self.kv_num_blocks.numel(), self.mask.blocks.numel()).tolist())
 
@@ -94,15 +108,46 @@ class MaskState:
         empty mask, and for r = 1). One host sync for all sizes; kept per size."""
         cache = self.__dict__.setdefault("_row_union_ratios", {})
         missing = sorted({int(r) for r in rows if int(r) > 1 and int(r) not in cache})
-        if missing:
+        if not missing:
+            return {int(r): (cache[int(r)] if int(r) > 1 else 1.0) for r in rows}
+        native = self.native_counts(tuple(missing), read=True)
+        if native is not None:
+            module = native_path(self.mask.blocks.device)
+            active, unions = native.host_counts()[0], native.unions
+            left = [r for r in missing if r not in unions]
+            for start in range(0, len(left), module.MAX_UNION_GROUPS):  # sizes the first launch lacked
+                more = module.launch_mask_counts(self.mask.blocks, tuple(left[start:start + module.MAX_UNION_GROUPS]))
+                unions |= more.unions
+            values = [active] + [unions[r] for r in missing]
+        else:
             blocks = self.mask.blocks
             sums = [blocks.sum(dtype=torch.int64)]
             for r in missing:
                 sums.append(group_activity(blocks, r, dim=-2).sum(dtype=torch.int64))
             values = torch.stack(sums).tolist()
-            for r, union in zip(missing, values[1:]):
-                cache[r] = r * union / values[0] if values[0] else 1.0
+        for r, union in zip(missing, values[1:]):
+            cache[r] = r * union / values[0] if values[0] else 1.0
         return {int(r): (cache[int(r)] if int(r) > 1 else 1.0) for r in rows}
+
+    def native_counts(self, groups: tuple[int, ...] = (), read: bool = False):
+        """The native statistics launch of this mask (``native_prepare.NativeMaskCounts``), made on
+        the first call, or None off the native path (not CUDA, no library, TESSERA_NATIVE_PREPARE=0).
+
+        The launch computes the union sums of ``groups`` and of the query-tile heights the cost model
+        asks for next (four at most), writes ``kv_num_blocks`` as well, and with ``read`` copies the
+        counts to the host in the same call. Later calls return the same launch."""
+        native = self.__dict__.get("_native_counts")
+        if native is not None:
+            return native
+        blocks = self.mask.blocks
+        module = native_path(blocks.device)
+        if module is None:
+            return None
+        wanted = tuple(dict.fromkeys((*groups, *module.union_rows_to_prefetch(self.mask.block_q))))
+        native = module.launch_mask_counts(blocks, wanted[:module.MAX_UNION_GROUPS], read)
+        self.__dict__["_native_counts"] = native
+        self.__dict__.setdefault("kv_num_blocks", native.row_counts)
+        return native
 
     def stat(self, which: Stat) -> float:
         """One statistic on the host (a sync: the caller's explicit choice)."""
@@ -123,6 +168,17 @@ def build_mask_state(mask: LogicalMask) -> MaskState:
     """mu(M): block-CSR plus statistics of ``mask``, computed on ``mask.device`` without a host
     sync when first read."""
     return MaskState(mask)
+
+
+def native_path(device: torch.device):
+    """The ``native_prepare`` module where tensors on ``device`` take the native path (CUDA, the
+    library loaded, ``TESSERA_NATIVE_PREPARE`` not "0"), else None; off CUDA without importing it
+    (it loads the native library)."""
+    if device.type != "cuda":
+        return None
+    from . import native_prepare  # imports ops, which imports prepare, which imports this module
+
+    return native_prepare if native_prepare.native_path_enabled(device) else None
 
 
 def group_activity(flags: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
@@ -175,6 +231,24 @@ def count_blocks(blocks: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         counts.max().to(torch.int64),  # longest row
         (counts == 0).sum(),  # empty rows
     ])
+
+
+def host_stats_from_counts(counts: Sequence[int], rows: int, total: int) -> tuple[float, ...]:
+    """``stats_from_counts(...).tolist()`` in plain Python from the six counts on the host: the same
+    fp64 ratios in the same order, rounded to fp32, so the same values without a tensor op."""
+    active, singles, runs, overlap, max_row, empty = (float(c) for c in counts[:6])
+    safe_active = max(active, 1.0)
+    ratios = (
+        active / total,
+        (active - singles) / safe_active,
+        max_row,
+        active / rows,
+        active / max(runs, 1.0),
+        empty / rows,
+        max_row * rows / safe_active,
+        overlap / safe_active,
+    )
+    return tuple(struct.unpack("f", struct.pack("f", r))[0] for r in ratios)
 
 
 def stats_from_counts(counts: torch.Tensor, rows: int, total: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Launch preparation: the metadata one plan's kernel reads, built from a MaskState.
 
-Pure tensor code on the mask's device; never launches attention, and syncs with the host only for
-the one scalar of ``compact`` (``prepare(..., compact=False)`` never does).
+Tensor code on the mask's device, or on CUDA the native library's preparation kernels
+(``native_prepare.py``, the same metadata bit for bit); never launches attention, and syncs with
+the host only for the one scalar of ``compact`` (``prepare(..., compact=False)`` never does).
 
 Metadata format (read as is by the PyTorch executor and the CUDA kernels)
 =======================================================================
@@ -52,7 +53,8 @@ from functools import cached_property
 import torch
 
 from .errors import InvalidArgumentError
-from .mask_state import MaskState, group_activity, set_flag_positions
+from .mask import LogicalMask
+from .mask_state import MaskState, group_activity, native_path, set_flag_positions
 from .plans import MEMBERSHIP_BITS, KvLayout, PhysicalPlan, Traversal
 
 
@@ -149,9 +151,20 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool = True) -> Prepa
     (a scalar) and shrinks the metadata by the inverse density; ``compact=False`` keeps the
     worst-case capacity and never syncs (for capture in a CUDA graph).
 
-    About twenty small tensor ops: the tile counts come first so that the one sync of ``compact``
-    waits on little work, and everything after it is sized by the trimmed capacity."""
-    mask = state.mask
+    On CUDA, the native library builds the same metadata in a few launches from one or two ctypes
+    calls (``native_prepare.prepare_native``; ``TESSERA_NATIVE_PREPARE=0`` turns it off). The torch
+    code below is the CPU path and the oracle: about twenty small tensor ops, the tile counts first
+    so that the one sync of ``compact`` waits on little work, everything after it sized by the
+    trimmed capacity."""
+    native = native_path(state.mask.blocks.device)
+    if native is not None:
+        return native.prepare_native(plan, state, compact)
+    return prepare_torch(plan, state, compact)
+
+
+def check_plan(plan: PhysicalPlan, mask: LogicalMask) -> None:
+    """Raise ``InvalidArgumentError`` unless ``plan`` is for ``mask``'s geometry and its membership
+    words fit 64 bits."""
     if (plan.block_q, plan.block_kv) != (mask.block_q, mask.block_kv):
         raise InvalidArgumentError(
             "plan", f"a plan for geometry Q{mask.block_q}K{mask.block_kv}", f"{plan.name}"
@@ -161,6 +174,13 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool = True) -> Prepa
         raise InvalidArgumentError(
             "plan", f"q units x slots <= {MEMBERSHIP_BITS}", f"{kq} x {slots} for {plan.name}"
         )
+
+
+def prepare_torch(plan: PhysicalPlan, state: MaskState, compact: bool = True) -> PreparedPlan:
+    """``prepare`` in tensor ops on any device (the CPU path, and the native path's oracle)."""
+    mask = state.mask
+    check_plan(plan, mask)
+    kq, slots = plan.q_units_per_tile, plan.slots_per_tile
     act = unit_activity(plan, state)  # [Bm, Hm, nQT, kq, nUk] bool
     tile_any = act.any(3) if kq > 1 else act.squeeze(3)  # [Bm, Hm, nQT, nUk]
     n_uk = tile_any.shape[-1]
