@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
+from .catalog import TASK_ORGANIZATIONS, all_kernels, plans_for
+from .eligibility import membership_fits, packing_has_room
 from .mask import LogicalMask
+from .plans import PhysicalPlan
 
 # Geometries every plan family is checked on: the corpus's seven, HunyuanVideo's 384, an odd pair.
 TEST_GEOMETRIES: tuple[tuple[int, int], ...] = (
@@ -106,3 +109,30 @@ def check_against_reference(
     inf_match = bool(torch.equal(finite, torch.isfinite(lse))) and bool((lse[~finite] == -math.inf).all())
     lse_error = float((lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0
     return Accuracy(error, twin_error, lse_error, inf_match)
+
+
+def metadata_plans(block_q: int, block_kv: int) -> list[PhysicalPlan]:
+    """One catalog plan per metadata shape of a geometry: every (tile_q, tile_kv, layout,
+    traversal) that the membership and packing predicates let through (dtype, head dim, stages and
+    splits do not change what ``prepare`` builds)."""
+    plans: dict[tuple, PhysicalPlan] = {}
+    for plan in plans_for(block_q, block_kv, all_kernels(), TASK_ORGANIZATIONS):
+        if membership_fits(plan, None) is None and packing_has_room(plan, None) is None:
+            plans.setdefault((plan.tile_q, plan.tile_kv, plan.kv_layout, plan.tasks.traversal), plan)
+    return list(plans.values())
+
+
+def metadata_difference(got, want) -> str | None:
+    """The first difference between two ``PreparedPlan``s' metadata (capacity, then each tensor's
+    dtype, shape, contiguity and values, exactly), or None when they are identical."""
+    for name in ("num_q_tiles", "capacity"):
+        if getattr(got, name) != getattr(want, name):
+            return f"{name} {getattr(got, name)} != {getattr(want, name)}"
+    for name in ("tile_counts", "tile_slots", "tile_member", "q_order"):
+        a, b = getattr(got, name), getattr(want, name)
+        if (a.dtype, a.shape) != (b.dtype, b.shape) or not a.is_contiguous():
+            return f"{name}: {a.dtype} {tuple(a.shape)} contiguous={a.is_contiguous()}, expected {b.dtype} {tuple(b.shape)}"
+        if not torch.equal(a, b):
+            where = torch.nonzero(a != b)[0].tolist()
+            return f"{name} differs first at {where}: {a[tuple(where)].item()} != {b[tuple(where)].item()}"
+    return None
