@@ -144,12 +144,19 @@ class PreparedPlan:
         return area / (self.mask.seq_len_q * self.mask.seq_len_kv)
 
 
-def prepare(plan: PhysicalPlan, state: MaskState, compact: bool = True) -> PreparedPlan:
+# The native path skips the compacting sync when the worst-case metadata is at most this large:
+# writing it costs the GPU microseconds, while a host read stalls the request until every kernel
+# queued before it has finished (Q128K128 at 32k tokens x 24 heads: 19 MB; Q16K16 there: 63 MB).
+SYNC_FREE_METADATA_BYTES = 64 << 20
+
+
+def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -> PreparedPlan:
     """Build the metadata of ``plan`` for the mask of ``state`` (see the module docstring).
 
-    ``compact`` trims ``cap`` to the longest tile list of any query tile, which costs one host sync
-    (a scalar) and shrinks the metadata by the inverse density; ``compact=False`` keeps the
-    worst-case capacity and never syncs (for capture in a CUDA graph).
+    ``compact=True`` trims ``cap`` to the longest tile list of any query tile, which costs one host
+    sync (a scalar) and shrinks the metadata by the inverse density; ``compact=False`` keeps the
+    worst-case capacity and never syncs (for capture in a CUDA graph). ``None`` (the default)
+    compacts unless the native path can write the worst case within ``SYNC_FREE_METADATA_BYTES``.
 
     On CUDA, the native library builds the same metadata in a few launches from one or two ctypes
     calls (``native_prepare.prepare_native``; ``TESSERA_NATIVE_PREPARE=0`` turns it off). The torch
@@ -157,9 +164,19 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool = True) -> Prepa
     so that the one sync of ``compact`` waits on little work, everything after it sized by the
     trimmed capacity."""
     native = native_path(state.mask.blocks.device)
+    if compact is None:
+        compact = native is None or worst_case_metadata_bytes(plan, state.mask) > SYNC_FREE_METADATA_BYTES
     if native is not None:
         return native.prepare_native(plan, state, compact)
     return prepare_torch(plan, state, compact)
+
+
+def worst_case_metadata_bytes(plan: PhysicalPlan, mask: LogicalMask) -> int:
+    """Bytes of ``tile_slots`` + ``tile_member`` at the uncompacted capacity ``ceil(nUk / S)``."""
+    bm, hm = mask.blocks.shape[:2]
+    n_qt = math.ceil(mask.seq_len_q / plan.tile_q)
+    cap = math.ceil(math.ceil(mask.seq_len_kv / plan.kv_unit) / plan.slots_per_tile)
+    return bm * hm * n_qt * cap * (8 + 4 * plan.slots_per_tile)
 
 
 def check_plan(plan: PhysicalPlan, mask: LogicalMask) -> None:

@@ -458,3 +458,18 @@ def test_union_prefetch_follows_the_kernel_tiles():
     assert native_prepare.union_rows_to_prefetch(64) == (2,)
     assert native_prepare.union_rows_to_prefetch(128) == ()
     assert math.prod(native_prepare.union_rows_to_prefetch(384)) == 1
+
+
+def test_default_compaction_policy():
+    """``prepare(compact=None)``: the CPU path always compacts; the worst-case size the native path
+    compares with SYNC_FREE_METADATA_BYTES counts slots and membership words at ceil(nUk / S)."""
+    from tessera_diffusers.catalog import reference_kernel
+    from tessera_diffusers.prepare import worst_case_metadata_bytes
+    from tessera_diffusers.testing import random_mask
+
+    mask = random_mask(1, 3, 1000, 1100, 64, 32, density=0.2, seed=4)
+    plan = PhysicalPlan(64, 32, KvLayout.PACKED, TaskOrganization(), reference_kernel(16, "fp32", 128, 128))
+    n_qt, cap = -(-1000 // 128), -(-(-(-1100 // 32)) // 4)
+    assert worst_case_metadata_bytes(plan, mask) == 3 * n_qt * cap * (8 + 4 * 4)
+    state = build_mask_state(mask)
+    assert prepare(plan, state).capacity == prepare(plan, state, compact=True).capacity < cap
