@@ -721,6 +721,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dense-backend", default="_native_cudnn", help="diffusers attention backend of the dense system"
     )
+    parser.add_argument(
+        "--flashinfer-backend", default="auto", choices=("auto", "fa2", "fa3"),
+        help="backend of FlashInfer's VariableBlockSparseAttentionWrapper (auto: fa3 on Hopper)",
+    )
     parser.add_argument("--max-minutes", type=float, default=7.0, help="skip systems not started by then")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (fp32): checks the harness")
     parser.add_argument("--verbose", action="store_true")
