@@ -151,3 +151,19 @@ def test_contenders_after_n_cases_prune_hopeless_plans(tmp_path):
     (bucket,) = key.buckets.values()
     assert [r.plan for r in bucket.regimes[0].ranking] == [key.base_plan]
     assert "k128_from_q64k64" in key.base_plan and "split" not in key.base_plan
+
+
+def test_evaluation_split_is_measured_but_never_compiled(tmp_path):
+    """``--split evaluation`` profiles held-out seeds (other masks than the profiling split's) for
+    selection regret; the compiler leaves those cases out and builds nothing from them alone."""
+    prof, held = tmp_path / "prof", tmp_path / "eval"
+    assert cli.main(TINY + ["--out", str(prof), "--no-compile", "--max-cases", "1"]) == 0
+    assert cli.main(TINY + ["--out", str(held), "--split", "evaluation", "--max-cases", "1"]) == 0
+    assert not (held / "plan_table_cpu.json").exists()
+    (train,), (test,) = ([r for r in records(d) if r["type"] == "case"] for d in (prof, held))
+    assert test["split"] == "evaluation" and train["split"] == "profiling"
+    assert test["spec"]["seed"] != train["spec"]["seed"]
+    assert cli.main(["--compile-only", "--out", str(held)]) == 1  # nothing to compile
+    assert cli.main(["--compile-only", "--out", str(prof), "--records", str(prof / RECORDS_FILE),
+                     str(held / RECORDS_FILE)]) == 0
+    assert "left out 1 evaluation-split cases" in (prof / "compile_report.md").read_text()

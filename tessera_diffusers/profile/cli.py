@@ -23,7 +23,7 @@ import torch
 from ..bench.config import ALL_FAMILIES, SIZE_PROFILES
 from ..errors import CatalogError, PlanTableError
 from ..plan_table import FeatureSchema
-from .config import ProfileConfig, smoke_config
+from .config import SPLIT, SPLITS, ProfileConfig, smoke_config
 from .records import RECORDS_FILE, read_records
 
 REPORT_FILE = "compile_report.md"
@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan-filter", default=None, help="regular expression over plan names")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", choices=SPLITS, default=SPLIT,
+                        help="corpus split to measure: evaluation cases judge a table (selection regret) and "
+                             "are never compiled into one")
     parser.add_argument("--fresh", action="store_true", help="discard DIR/profile.jsonl and start over")
     parser.add_argument("--no-progress", action="store_true")
     table = parser.add_argument_group("table building")
@@ -86,7 +89,8 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
             input_sets=args.input_sets, validate_heads=args.validate_heads, atol=args.atol,
             abandon_factor=args.abandon_factor, minutes=args.minutes, plan_filter=args.plan_filter,
             contenders_after=args.contenders_after, contender_regret=args.contender_regret,
-            device=args.device, seed=args.seed, resume=not args.fresh, progress=not args.no_progress)
+            device=args.device, seed=args.seed, split=args.split, resume=not args.fresh,
+            progress=not args.no_progress)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return ProfileConfig(
         out_dir=args.out,
@@ -111,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
         plan_filter=args.plan_filter,
         device=device,
         seed=args.seed,
+        split=args.split,
         resume=not args.fresh,
         progress=not args.no_progress,
     )
@@ -165,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
         invalid = invalid_plans(records_path, before)
         for r in invalid[:10]:
             print(f"INVALID {r['plan']} on {r['case']}: {r.get('reason')}", file=sys.stderr)
-    if not args.no_compile:
+    if not args.no_compile and getattr(args, "split", SPLIT) != SPLIT:
+        print("tessera profile: evaluation-split records are not compiled into a table", file=sys.stderr)
+    elif not args.no_compile:
         try:
             build_table(args.records or [records_path], args.table, out_dir, args.arch, args.min_leaf,
                         args.max_depth, args.folds)

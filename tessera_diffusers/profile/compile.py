@@ -126,6 +126,7 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
     """Complete cases of the records files (``records.py``) for one architecture. Raises
     ``PlanTableError`` when there is nothing to compile or the architecture is ambiguous."""
     skipped: list = []
+    held_out = 0
     catalogs: dict[str, tuple[KernelSpec, ...]] = {}
     case_records: dict[str, dict] = {}
     latencies: dict[str, dict[str, float]] = defaultdict(dict)
@@ -135,6 +136,9 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
         if kind == "catalog":
             catalogs[record["catalog_hash"]] = tuple(kernel_from_dict(k) for k in record["kernels"])
         elif kind == "case":
+            if record.get("split", "profiling") != "profiling":
+                held_out += 1  # evaluation-split cases judge tables; they never train one
+                continue
             case_records[record["case"]] = record
         elif kind == "plan":
             if "spec" in record:
@@ -142,7 +146,8 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
             if record.get("status") == "ok":
                 latencies[record["case"]][record["plan"]] = float(record["latency_ms"])
     if not case_records:
-        raise PlanTableError("no complete profiled case in the records (run `tessera profile` first)")
+        why = f" ({held_out} evaluation-split cases are never compiled)" if held_out else ""
+        raise PlanTableError(f"no complete profiled case in the records (run `tessera profile` first){why}")
     archs = Counter(r["arch"] for r in case_records.values())
     if arch is None:
         if len(archs) > 1:
@@ -173,6 +178,8 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
                                   MappingProxyType(dict(latencies.get(record["case"], {})))))
     if skipped:
         notes.append(f"skipped {len(skipped)} unreadable record line(s)")
+    if held_out:
+        notes.append(f"left out {held_out} evaluation-split cases")
     named = {name for c in cases for name in c.latencies}
     unknown = sorted(named - set(specs))
     if unknown:

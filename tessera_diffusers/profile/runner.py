@@ -303,7 +303,7 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
             if stopped is None:
                 ok = sum(1 for p in plans if (key, p.name) in progress.done_plans)
                 append_record(path, {**case_record(key, size, case, problem, request, stats, plans, rejected, device,
-                                                   catalog), "pruned": pruned})
+                                                   catalog), "pruned": pruned, "split": config.split})
                 progress.done_cases.add(key)
                 progress.groups.setdefault(group, []).append(key)
                 new_cases += 1
