@@ -18,6 +18,7 @@ kernel and layout); a chosen plan that was not timed is reported as such, never 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 from pathlib import Path
@@ -28,21 +29,36 @@ from tessera_diffusers import build_mask_state
 from tessera_diffusers.corpus import CaseSpec
 from tessera_diffusers.corpus.grids import grid_named
 from tessera_diffusers.plan_table import load_plan_table
+from tessera_diffusers.profile.records import request_from_dict
 from tessera_diffusers.plans import DTYPE_NAMES, Request
 from tessera_diffusers.selector import AUTO, Selector
 
 
 def load_cases(path: Path) -> dict[str, dict]:
-    """case name -> {"record": first record of the case, "plans": {plan name: kernel ms}}."""
+    """case name -> {"record": first record of the case, "plans": {plan name: kernel ms}}: a kernel
+    study's records, or a ``tessera profile`` run's (``--split evaluation`` for held-out cases;
+    records files may be gzipped)."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if records and "type" in records[0]:
+        return profile_cases(records)
     cases: dict[str, dict] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    for rec in records:
         entry = cases.setdefault(rec["case"], {"record": rec, "plans": {}})
         if rec.get("kernel_ms") and rec.get("plan"):
             entry["plans"][rec["plan"]] = rec["kernel_ms"]
     return {name: c for name, c in cases.items() if c["plans"]}
+
+
+def profile_cases(records: list[dict]) -> dict[str, dict]:
+    """``load_cases`` of profile records: complete cases (those with a case record) and their
+    validated plan latencies; the case record carries the corpus spec and the request."""
+    latencies: dict[str, dict[str, float]] = {}
+    for rec in records:
+        if rec.get("type") == "plan" and rec.get("status") == "ok":
+            latencies.setdefault(rec["case"], {})[rec["plan"]] = float(rec["latency_ms"])
+    return {rec["case"]: {"record": rec, "plans": latencies.get(rec["case"], {})}
+            for rec in records if rec.get("type") == "case" and latencies.get(rec["case"])}
 
 
 def case_spec(name: str, rec: dict) -> CaseSpec:
@@ -63,11 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     rows, regrets = [], {name: [] for name in selectors}
     for name, case in sorted(load_cases(args.records).items()):
         rec = case["record"]
-        spec = case_spec(name, rec)
-        mask = spec.build()
+        if rec.get("type") == "case":  # a profile record: the spec and the request are stored
+            mask = CaseSpec.from_dict(rec["spec"]).build()
+            request = request_from_dict(rec["request"])
+        else:
+            mask = case_spec(name, rec).build()
+            request = Request(rec["batch"], rec["heads"], mask.seq_len_q, mask.seq_len_kv, rec["head_dim"],
+                              DTYPE_NAMES[getattr(torch, rec["dtype"])], mask.block_q, mask.block_kv, args.arch,
+                              False)
         state = build_mask_state(mask)
-        request = Request(rec["batch"], rec["heads"], mask.seq_len_q, mask.seq_len_kv, rec["head_dim"],
-                          DTYPE_NAMES[getattr(torch, rec["dtype"])], mask.block_q, mask.block_kv, args.arch, False)
         best_plan, best_ms = min(case["plans"].items(), key=lambda kv: kv[1])
         row = {"case": name, "best": best_plan, "best_ms": best_ms}
         for sel_name, selector in selectors.items():
@@ -91,13 +111,35 @@ def main(argv: list[str] | None = None) -> int:
         if values:
             gm = math.exp(sum(math.log(v) for v in values) / len(values))
             within = sum(v <= 1.03 for v in values)
-            lines.append(f"- {sel_name}: GM regret {gm:.4f}, worst {max(values):.3f}, within 3% on {within}/{len(values)} "
-                         f"cases ({len(rows) - len(values)} choices not timed)")
+            p99 = sorted(values)[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
+            lines.append(f"- {sel_name}: GM regret {gm:.4f}, P99 {p99:.3f}, worst {max(values):.3f}, within 3% on "
+                         f"{within}/{len(values)} cases ({100 * within / len(values):.0f}%; "
+                         f"{len(rows) - len(values)} choices not timed)")
+    lines.append("")
+    lines += family_lines(rows, list(selectors))
     text = "\n".join(lines)
     print(text)
     if args.md is not None:
         args.md.write_text(f"# Selection regret on `{args.records}`\n\n{text}\n")
     return 0
+
+
+def family_lines(rows: list[dict], selectors: list[str]) -> list[str]:
+    """GM regret per geometry family (the case name's first part) and selector."""
+    families: dict[str, dict[str, list[float]]] = {}
+    for row in rows:
+        family = row["case"].split(":")[-4 if row["case"].count(":") >= 4 else 0].split("/")[0]
+        for sel_name in selectors:
+            ms = row[sel_name][1]
+            if ms:
+                families.setdefault(family, {}).setdefault(sel_name, []).append(ms / row["best_ms"])
+    out = ["| family | cases | " + " | ".join(f"{s} GM regret" for s in selectors) + " |",
+           "|---|---|" + "---|" * len(selectors)]
+    for family, by_sel in sorted(families.items()):
+        n = max(len(v) for v in by_sel.values())
+        cells = [f"{math.exp(sum(map(math.log, v)) / len(v)):.4f}" if (v := by_sel.get(s)) else "-" for s in selectors]
+        out.append(f"| {family} | {n} | " + " | ".join(cells) + " |")
+    return out
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrga
 
 FORMAT = "tessera-plan-table"
 SCHEMA_VERSION = 1
+# A regime whose first plan loses more than this (GM) on the regime's own profiled cases is *mixed*.
+MIXED_REGIME_REGRET = 1.02
+CONTENDER_REGRET = 1.03  # a plan within this of the best on one of a regime's cases contends there
 # Environment variable naming a table file to use instead of the shipped one of its architecture.
 TABLE_ENV = "TESSERA_PLAN_TABLE"
 STAT_NAMES: tuple[str, ...] = tuple(s.name.lower() for s in Stat)
@@ -146,6 +149,11 @@ class Regime:
     rule: str  # the path's conditions, e.g. "density <= 0.07 and run_coverage > 0.4"
     cases: int  # profiled cases it was ranked on
     ranking: tuple[RankedPlan, ...]  # best first; the last one is the key's base plan
+    # GM regret of the ranking's first plan over the regime's own cases: above MIXED_REGIME_REGRET
+    # its cases disagree (too few of them to split by a statistic), and the selector lets the cost
+    # model choose among ``contenders`` — the plans within 3% of the best on one of its cases.
+    fit_regret: float = 1.0
+    contenders: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -292,7 +300,8 @@ def bucket_to_dict(bt: BucketTable) -> dict:
             nodes.append({"stat": STAT_NAMES[n.stat], "le": n.threshold, "left": n.left, "right": n.right})
         else:
             nodes.append({"regime": n.regime})
-    regimes = [{"rule": r.rule, "cases": r.cases, "ranking": [[rp.plan, rp.gm_ms] for rp in r.ranking]}
+    regimes = [{"rule": r.rule, "cases": r.cases, "ranking": [[rp.plan, rp.gm_ms] for rp in r.ranking],
+                "fit_regret": r.fit_regret, "contenders": list(r.contenders)}
                for r in bt.regimes]
     return {"cases": bt.cases, "depth": bt.depth, "tree": nodes, "regimes": regimes}
 
@@ -394,7 +403,15 @@ def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mappin
             raise fail(f"regime {index} has an empty ranking")
         if base is not None and ranking[-1].plan != base:
             raise fail(f"regime {index} does not end with the key's base plan {base}")
-        regimes.append(Regime(key, label, index, str(rd["rule"]), int(rd["cases"]), tuple(ranking)))
+        fit_regret = rd.get("fit_regret", 1.0)  # optional: tables built before it have none
+        if not (isinstance(fit_regret, (int, float)) and math.isfinite(fit_regret) and fit_regret >= 1.0):
+            raise fail(f"regime {index}: fit_regret {fit_regret!r} is not a number >= 1")
+        contenders = tuple(str(c) for c in rd.get("contenders", ()))
+        unknown = [c for c in contenders if c not in plans]
+        if unknown:
+            raise fail(f"regime {index} names unknown contender {unknown[0]!r}")
+        regimes.append(Regime(key, label, index, str(rd["rule"]), int(rd["cases"]), tuple(ranking),
+                              float(fit_regret), contenders))
     nodes = []
     for i, nd in enumerate(bd["tree"]):
         if "regime" in nd:

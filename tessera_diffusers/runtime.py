@@ -73,7 +73,7 @@ class Runtime:
     """Prepared-plan cache and selection front end (one per pipeline or processor).
 
     An exact repeat of a request — the same mask object and the same shapes — skips selection and
-    preparation. Entries die with their mask object. A new mask goes through ``selector`` (plan
+    preparation. Entries (and their device metadata) are dropped when their mask object dies. A new mask goes through ``selector`` (plan
     table regime lookup, or the cost model), whose own cache skips the ranking scan for a regime it
     has seen."""
 
@@ -96,7 +96,9 @@ class Runtime:
         prepared = self.plan_request(state, request, plan)
         if len(self._cache) >= self.max_entries:
             self._cache.pop(next(iter(self._cache)))
-        self._cache[key] = (weakref.ref(mask), prepared)
+        # The entry leaves with its mask: a loop of new masks keeps no dead metadata on the device.
+        cache = self._cache
+        self._cache[key] = (weakref.ref(mask, lambda _, k=key: cache.pop(k, None)), prepared)
         return prepared
 
     def plan_request(self, state: MaskState, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:

@@ -10,7 +10,10 @@ Order of decision:
    given to the Selector): key -> bucket -> regime, a tree over mask statistics that reads them to
    the host once (``MaskState.host_stat_values``), and only when it has splits -> the regime's
    ranking, scanned with eligibility; the first eligible plan wins. A bucket the table lacks gives
-   the key's base plan.
+   the key's base plan. A *mixed* regime — its first plan lost more than ``MIXED_REGIME_REGRET``
+   (GM) on its own profiled cases, too few to split by a statistic — hands the choice among its
+   contenders (plans within 3% of the best on one of its cases) to the cost model, on this mask's
+   statistics (one read; kept per regime with ``reuse_regime``).
 2. Otherwise (no table, key not profiled, table rejected, every ranked plan ineligible) the analytic
    roofline cost model ranks every eligible catalog plan.
 3. No eligible native plan: None, the reference oracle (warned once on CUDA).
@@ -37,7 +40,7 @@ from .cost_model import estimate_many, row_union_stats
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
-from .plan_table import PlanTable, RankedPlan, Regime, RegimeTree, default_table
+from .plan_table import MIXED_REGIME_REGRET, PlanTable, RankedPlan, Regime, RegimeTree, default_table
 from .plans import KernelSpec, PhysicalPlan, Request
 
 AUTO = "auto"  # Selector.table: the shipped table of each request's architecture
@@ -99,6 +102,7 @@ class RequestEntry:
     by_regime: dict = field(default_factory=dict)  # regime index -> Selection (or EVERY_PLAN_REJECTED)
     last_regime: int | None = None  # the regime the previous request of this entry fell in
     cost_model_choice: Selection | None = None  # the previous cost-model decision (for reuse_regime)
+    arbitrated: dict = field(default_factory=dict)  # regime index -> the last mixed-regime decision
     eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
     eligible_names: tuple[str, ...] = ()
     rejected: tuple[tuple[str, str], ...] = ()
@@ -196,7 +200,7 @@ class Selector:
             else:
                 self.regime_hits += 1
             if cached is not EVERY_PLAN_REJECTED:
-                return cached
+                return self._arbitrate(entry, index, request, state, cached)
         if self.reuse_regime and entry.cost_model_choice is not None:
             self.regime_reuses += 1
             return entry.cost_model_choice
@@ -210,7 +214,7 @@ class Selector:
             index = entry.tree.regime_of(state.host_stat_values) if entry.stats_needed else 0
             selection = self._scan(entry, index, request, full=True)
             if selection is not None:
-                return selection
+                return self._arbitrate(entry, index, request, state, selection, reuse=False)
         return self._cost_model(entry, request, state)
 
     def clear(self) -> None:
@@ -222,6 +226,7 @@ class Selector:
         for entry in self._requests.values():
             entry.last_regime = None
             entry.cost_model_choice = None
+            entry.arbitrated.clear()
 
     # -- resolution (once per architecture / request) ----------------------------------------------
 
@@ -313,6 +318,32 @@ class Selector:
             return None
         ranking = tuple((r.plan, r.gm_ms) for r in regime.ranking)
         return Selection(request, ranking, tuple(rejected), chosen, "plan table", regime, entry.notes)
+
+    def _arbitrate(self, entry: RequestEntry, index: int, request: Request, state: MaskState,
+                   selection: Selection, reuse: bool = True) -> Selection:
+        """The regime's choice, unless the regime is mixed (its first plan lost more than
+        ``MIXED_REGIME_REGRET`` on its own profiled cases, which were too few to split by a
+        statistic): then the cost model ranks the regime's contenders on this mask's statistics
+        (one read). With ``reuse_regime`` a later mask of the request keeps that choice."""
+        regime = entry.regimes[index]
+        if regime.fit_regret <= MIXED_REGIME_REGRET or len(regime.contenders) < 2:
+            return selection
+        if reuse and self.reuse_regime and index in entry.arbitrated:
+            self.regime_reuses += 1
+            return entry.arbitrated[index]
+        plans = [entry.plans[name] for name in regime.contenders]
+        eligible = [p for p in plans if rejection(p, request) is None]
+        if not eligible:
+            return selection
+        stats = state.host_stats() | row_union_stats(eligible, request.block_q, state)
+        estimates = estimate_many(eligible, request, stats)
+        order = sorted(range(len(eligible)), key=estimates.__getitem__)
+        note = (f"mixed regime (first plan's GM regret {regime.fit_regret:.3f} on its cases): the cost model "
+                f"chose among its {len(eligible)} eligible contenders")
+        chosen = Selection(request, tuple((eligible[i].name, estimates[i]) for i in order), selection.rejected,
+                           eligible[order[0]], "plan table + cost model", regime, selection.notes + (note,))
+        entry.arbitrated[index] = chosen
+        return chosen
 
     def _cost_model(self, entry: RequestEntry, request: Request, state: MaskState) -> Selection:
         """Every eligible catalog plan ranked by predicted latency (stats read from the device)."""

@@ -100,3 +100,21 @@ def test_nan_inputs_propagate_only_to_rows_that_see_them():
     assert bool(out[:, 16:32].isnan().all()) and not bool(out[:, :16].isnan().any())
     assert bool((out[:, 32:] == 0).all())
     assert not math.isnan(float(out[0, 0, 0, 0]))
+
+
+def test_runtime_drops_the_prepared_plan_of_a_dead_mask():
+    """A loop of new masks must not keep every old mask's metadata alive in the runtime's cache."""
+    import gc
+
+    from tessera_diffusers import Runtime, block_sparse_attention
+    from tessera_diffusers.testing import random_mask, random_qkv
+
+    runtime = Runtime()
+    q, k, v = random_qkv(1, 256, 256, 2, 16, torch.float32, torch.device("cpu"), seed=0)
+    for seed in range(3):
+        mask = random_mask(1, 2, 256, 256, 64, 64, density=0.5, seed=seed)
+        block_sparse_attention(q, k, v, mask, runtime=runtime)
+        assert len(runtime._cache) == 1
+        del mask
+        gc.collect()
+        assert len(runtime._cache) == 0

@@ -17,6 +17,7 @@ from tessera_diffusers.plans import Request
 from tessera_diffusers.profile import cli
 from tessera_diffusers.profile import runner as runner_module
 from tessera_diffusers.profile.compile import compile_table, load_profile
+from tessera_diffusers.plan_table import MIXED_REGIME_REGRET
 from tessera_diffusers.profile.config import ProfileConfig, smoke_config
 from tessera_diffusers.profile.records import RECORDS_FILE, read_records
 from tessera_diffusers.profile.runner import KernelTimer, Measured, Trial, run_profile
@@ -51,10 +52,16 @@ def test_smoke_profile_builds_a_table_the_selector_uses(tmp_path):
     ranking = [r.plan for r in bucket.regimes[0].ranking]
     assert ranking[-1] == key.base_plan and set(ranking) <= {r["plan"] for r in plans}
 
-    # The online selector takes the table's first plan for a CPU request of that key.
+    # The online selector takes the table's first plan for a CPU request of that key, or, where the
+    # regime's own cases disagree (noisy CPU timings on two cases), the cost model's pick among its
+    # contenders.
     mask = CaseSpec.from_dict(case["spec"]).build()
     chosen = Selector(table=table).select(Request(**case["request"]), build_mask_state(mask))
-    assert chosen is not None and chosen.name == ranking[0]
+    (regime,) = bucket.regimes
+    if regime.fit_regret > MIXED_REGIME_REGRET and len(regime.contenders) > 1:
+        assert chosen is not None and chosen.name in regime.contenders
+    else:
+        assert chosen is not None and chosen.name == ranking[0]
 
     # Resuming measures nothing new.
     assert cli.main(TINY + ["--out", str(out), "--no-compile"]) == 0

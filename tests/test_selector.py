@@ -197,10 +197,40 @@ def test_every_ranked_plan_rejected_falls_back_to_the_cost_model(table):
     assert rejection(selection.chosen, sm86) is None
     assert "every plan of the regime's ranking was rejected" in selection.notes[-1]
     assert Selector(table=small_table, kernels=portable_kernels()).selection(sm86, state_with_density(0.05)).source \
-        == "plan table"
+        .startswith("plan table")
 
 
 def test_rank_on_cpu_without_table_is_the_oracle():
     mask = LogicalMask.dense(256, 256, 64, 64)
     selection = rank(Request(1, 2, 256, 256, 64, "bf16", 64, 64, "cpu"), build_mask_state(mask))
     assert selection.chosen is None and "reference oracle" in selection.explain()
+
+
+def test_a_mixed_regime_lets_the_cost_model_choose_among_its_contenders():
+    """Too few cases to split (one regime) whose first plan loses 40% on half of them: the regime
+    is mixed, so the cost model picks among the contenders on each mask's statistics; a regime
+    whose cases agree keeps its first plan without reading any statistic."""
+    profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST], latency, 40, groups=4)
+    mixed, _ = compile_table(profile, CompileOptions(min_leaf=32))
+    (bucket,) = mixed.keys[REQUEST.key].buckets.values()
+    (regime,) = bucket.regimes
+    assert regime.fit_regret > 1.02 and {SPLIT4.name, WIDE.name} <= set(regime.contenders)
+    selector = Selector(table=mixed, kernels=portable_kernels())
+    for density in (0.05, 0.4):
+        state = state_with_density(density)
+        selection = selector.selection(REQUEST, state)
+        assert selection.source == "plan table + cost model" and "mixed regime" in selection.notes[-1]
+        assert selection.chosen.name in regime.contenders
+        assert "host_stat_values" in state.__dict__  # it read this mask's statistics
+    reuse = Selector(table=mixed, kernels=portable_kernels(), reuse_regime=True)
+    first = reuse.selection(REQUEST, state_with_density(0.05))
+    later = state_with_density(0.4)
+    assert reuse.selection(REQUEST, later) is first and "host_stat_values" not in later.__dict__
+
+    agreed = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST],
+                               lambda p, r, s, g: {SPLIT4.name: 1.0, DIRECT.name: 1.05, WIDE.name: 1.3}[p.name], 40)
+    table, _ = compile_table(agreed, CompileOptions(min_leaf=32))
+    state = state_with_density(0.05)
+    selection = Selector(table=table, kernels=portable_kernels()).selection(REQUEST, state)
+    assert selection.source == "plan table" and selection.chosen == SPLIT4
+    assert "host_stat_values" not in state.__dict__

@@ -32,6 +32,7 @@ import numpy as np
 from ..errors import PlanTableError
 from ..mask_state import NUM_STATS
 from ..plan_table import (
+    CONTENDER_REGRET,
     STAT_NAMES,
     BucketTable,
     FeatureSchema,
@@ -222,6 +223,7 @@ def compile_table(profile: Profile, options: CompileOptions = CompileOptions(),
             buckets[bucket] = table
             reports.append(report)
             used.update(rp.plan for regime in table.regimes for rp in regime.ranking)
+            used.update(name for regime in table.regimes for name in regime.contenders)
         if base is not None:
             used.add(base)
         keys[key] = KeyTable(key, base, len(key_cases), MappingProxyType(buckets))
@@ -288,6 +290,15 @@ class BucketData:
         self.rankings[memo_key] = tuple(ranking)
         return self.rankings[memo_key]
 
+    def contenders(self, rows: np.ndarray) -> tuple[str, ...]:
+        """Plans within ``CONTENDER_REGRET`` of the best on one of ``rows``, valid on all of them,
+        by geometric-mean latency over ``rows``."""
+        sub = self.lat[rows]
+        valid = ~np.isnan(sub).any(axis=0)
+        close = (sub <= CONTENDER_REGRET * np.nanmin(sub, axis=1, keepdims=True)).any(axis=0) & valid
+        gms = np.exp(np.log(np.where(valid, sub, 1.0)).mean(axis=0))
+        return tuple(self.names[c] for c in sorted(np.flatnonzero(close), key=lambda c: (gms[c], self.names[c])))
+
     def regret(self, row: int, ranking: Sequence[RankedPlan]) -> float:
         """Regret on case ``row`` of the first ranked plan valid on it."""
         best = np.nanmin(self.lat[row])
@@ -333,10 +344,13 @@ def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[Pr
         depth = min(d for d, score in cv if score <= best + options.tie_tolerance)
     model = fit_tree(data.x, data.target, depth, options.min_leaf)
     nodes, leaves = export_tree(model, data, columns)
-    regimes = []
+    regimes, fit = [], []
     for index, (rows, rule) in enumerate(leaves):
-        regimes.append(Regime(key, label, index, rule, len(rows), data.ranking(rows)))
-    fit = [data.regret(r, regimes[i].ranking) for i, (rows, _) in enumerate(leaves) for r in rows]
+        ranking = data.ranking(rows)
+        regrets = [data.regret(r, ranking) for r in rows]
+        fit += regrets
+        regimes.append(Regime(key, label, index, rule, len(rows), ranking, round(geometric_mean(regrets), 6),
+                              data.contenders(rows)))
     report = BucketReport(key, label, len(cases), len(set(data.groups)), depth, len(regimes),
                           tuple((d, math.exp(s)) for d, s in cv), geometric_mean(fit), note)
     return BucketTable(key, bucket, label, len(cases), depth, RegimeTree(tuple(nodes)), tuple(regimes)), report
