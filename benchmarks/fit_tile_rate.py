@@ -1,0 +1,83 @@
+"""Fit one Hopper tile rate of the cost model where the cost model decides: the mixed regimes of a
+plan table (``selector._arbitrate``), on profiled cases (CPU; no GPU needed).
+
+For every case of a mixed regime the mask is rebuilt from its corpus seed, its statistics are read
+once, and for each candidate rate the cost model picks among the regime's contenders; regret = the
+picked plan's measured latency / the fastest measured plan of the case. Fit on the profiling split's
+records, then read the held-out split's line for the chosen rate:
+
+    python benchmarks/fit_tile_rate.py benchmarks/results/h200_profile_tile64/profile.jsonl.gz \\
+        --eval benchmarks/results/h200_eval_regret/profile_eval.jsonl.gz --tile 64,64,4 \\
+        --rates 460,480,490,495,500,505,510,520
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from selection_regret import load_cases
+
+from tessera_diffusers import build_mask_state, cost_model
+from tessera_diffusers.corpus import CaseSpec
+from tessera_diffusers.plan_table import MIXED_REGIME_REGRET, PlanTable, load_plan_table
+from tessera_diffusers.plans import Family
+from tessera_diffusers.profile.records import request_from_dict
+
+
+def mixed_cases(path: Path, table: PlanTable) -> list[tuple]:
+    """(request, contender plans, statistics, latencies) of every case whose regime is mixed."""
+    out = []
+    for case in load_cases(path).values():
+        request = request_from_dict(case["record"]["request"])
+        key = table.keys.get(request.key)
+        if key is None:
+            continue
+        for bucket in key.buckets.values():
+            regime = bucket.regimes[0]
+            if len(bucket.regimes) > 1 or regime.fit_regret <= MIXED_REGIME_REGRET or len(regime.contenders) < 2:
+                continue
+            plans = [table.plans[name] for name in regime.contenders]
+            state = build_mask_state(CaseSpec.from_dict(case["record"]["spec"]).build())
+            stats = state.host_stats() | cost_model.row_union_stats(plans, request.block_q, state)
+            out.append((request, plans, stats, case["plans"]))
+    return out
+
+
+def regret(cases: list[tuple]) -> tuple[float, int]:
+    """GM regret of the cost model's picks and the cases within 3%."""
+    values = []
+    for request, plans, stats, latencies in cases:
+        estimates = cost_model.estimate_many(plans, request, stats)
+        chosen = plans[min(range(len(plans)), key=estimates.__getitem__)]
+        values.append(latencies[chosen.name] / min(latencies.values()))
+    return math.exp(sum(map(math.log, values)) / len(values)), sum(v <= 1.03 for v in values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("records", type=Path, help="profiling-split records (the fit)")
+    parser.add_argument("--eval", type=Path, default=None, help="evaluation-split records (reported only)")
+    parser.add_argument("--table", type=Path, default=Path("tessera_diffusers/data/plan_table_sm90.json"))
+    parser.add_argument("--tile", default="64,64,4", help="tile_q,tile_kv,warps of the Hopper rate to fit")
+    parser.add_argument("--rates", default="460,480,490,495,500,505,510,520", help="TFLOP/s to try")
+    args = parser.parse_args(argv)
+    table = load_plan_table(args.table)
+    tile = tuple(int(x) for x in args.tile.split(","))
+    fit = mixed_cases(args.records, table)
+    held = mixed_cases(args.eval, table) if args.eval else []
+    print(f"{len(fit)} mixed-regime profiling cases, {len(held)} evaluation cases")
+    for rate in (float(r) for r in args.rates.split(",")):
+        cost_model.TILE_TFLOPS[Family.HOPPER][tile] = rate
+        gm, within = regret(fit)
+        line = f"rate {rate:6.1f}  fit GM {gm:.4f} ({within}/{len(fit)} within 3%)"
+        if held:
+            gm, within = regret(held)
+            line += f"  eval GM {gm:.4f} ({within}/{len(held)} within 3%)"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
