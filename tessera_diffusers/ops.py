@@ -181,19 +181,24 @@ def sparse_attention_fwd(
 
     ``kernel`` is a catalog kernel name; ``config = [num_q_tiles, capacity, slots, q_unit_log2,
     kv_unit_log2, num_splits, persistent]`` (see ``PreparedPlan.launch_config``)."""
-    batch, seq_q, heads, head_dim = q.shape
     q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
+    out, lse, workspace = output_buffers(q, config[5], True)
+    launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, out, lse, workspace)
+    return out, lse
+
+
+def output_buffers(q: torch.Tensor, num_splits: int, with_lse: bool):
+    """``(out [B, Sq, H, D], lse [B, H, Sq] fp32 or None, split-K workspace or None)`` for a launch."""
+    batch, seq_q, heads, head_dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
-    num_splits = config[5]
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device) if with_lse else None
     workspace = None
     if num_splits > 1:
         workspace = (
             torch.empty(num_splits, batch, heads, seq_q, head_dim, dtype=torch.float32, device=q.device),
             torch.empty(num_splits, batch, heads, seq_q, dtype=torch.float32, device=q.device),
         )
-    launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, out, lse, workspace)
-    return out, lse
+    return out, lse, workspace
 
 
 @sparse_attention_fwd.register_fake
@@ -225,20 +230,10 @@ class LaunchTemplate:
         return p, m
 
 
-def launch_template(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    tile_counts: torch.Tensor,
-    tile_slots: torch.Tensor,
-    tile_member: torch.Tensor,
-    q_order: torch.Tensor,
-    kernel: str,
-    config: list[int],
-    scale: float,
-    out_strides: tuple[int, ...],
-) -> LaunchTemplate:
-    """The fixed part of a launch (see ``LaunchTemplate``); ``out_strides`` are the output's."""
+def launch_template(q: torch.Tensor, k: torch.Tensor, metadata: tuple[torch.Tensor, ...], kernel: str,
+                    config: list[int], scale: float, strides: tuple[tuple[int, ...], ...]) -> LaunchTemplate:
+    """The fixed part of a launch (see ``LaunchTemplate``): ``metadata`` = (tile_counts, tile_slots,
+    tile_member, q_order), ``strides`` = the (b, s, h) strides of q, k, v and the output."""
     lib = load_library()
     batch, seq_q, heads, head_dim = q.shape
     num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, persistent = config
@@ -248,11 +243,11 @@ def launch_template(
     grid_size = 0
     if persistent:
         grid_size = ctas_per_sm(kid, q.device.index or 0) * torch.cuda.get_device_properties(q.device).multi_processor_count
+    tile_counts, tile_slots, tile_member, q_order = metadata
+    out_strides = strides[3]
     p = TesseraAttnParams()
-    fill_strides(p.q_stride, q.stride())
-    fill_strides(p.k_stride, k.stride())
-    fill_strides(p.v_stride, v.stride())
-    fill_strides(p.o_stride, out_strides)
+    for field_, st in zip((p.q_stride, p.k_stride, p.v_stride, p.o_stride), strides):
+        fill_strides(field_, st)
     p.batch, p.heads, p.seq_q, p.seq_kv = batch, heads, seq_q, k.shape[1]
     p.mask_batch, p.mask_heads = tile_counts.shape[0], tile_counts.shape[1]
     p.num_q_tiles, p.capacity, p.slots = num_q_tiles, capacity, slots
@@ -297,8 +292,8 @@ def launch(
 ) -> None:
     """Launch the attention kernel (and the split-K merge) on the current stream; no sync, no
     allocation. q, k, v must be 16-byte aligned (``aligned``); out/lse/workspace sized by the caller."""
-    template = launch_template(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale,
-                               out.stride())
+    template = launch_template(q, k, (tile_counts, tile_slots, tile_member, q_order), kernel, config, scale,
+                               (q.stride(), k.stride(), v.stride(), out.stride()))
     p, m = template.fill(q, k, v, out, lse, workspace)
     launch_filled(template, p, m, q.device)
 
@@ -342,17 +337,13 @@ def run_direct(prepared, q, k, v, scale, return_lse):
     key = (q.shape, q.stride(), k.shape[1], k.stride(), v.stride(), q.dtype, q.device, scale)
     templates = prepared.__dict__.setdefault("_launch_templates", {})
     template = templates.get(key)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out, lse, workspace = output_buffers(q, prepared.plan.tasks.num_splits, return_lse)
     if template is None:
+        metadata = (prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order)
         template = templates[key] = launch_template(
-            q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
-            prepared.plan.kernel.name, prepared.launch_config(), scale, out.stride(),
+            q, k, metadata, prepared.plan.kernel.name, prepared.launch_config(), scale,
+            (q.stride(), k.stride(), v.stride(), out.stride()),
         )
-    batch, seq_q, heads, head_dim = q.shape
-    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device) if return_lse else None
-    workspace = None
-    if template.merge is not None:
-        workspace = prepared.workspace(batch, heads, head_dim).allocate(q.device)
     p, m = template.fill(q, k, v, out, lse, workspace)
     launch_filled(template, p, m, q.device)
     return (out, lse) if return_lse else out

@@ -1,0 +1,81 @@
+"""The ctypes launch parameters the eager native path fills (``ops.run_direct``), checked field by
+field on the CPU with the launch itself intercepted: pointers of this call's tensors, strides,
+sizes and the plan's metadata, and the split-K merge. Needs the native library to load (it is
+built by ``pip install .`` where nvcc exists); no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, prepare
+from tessera_diffusers.catalog import portable_kernels
+from tessera_diffusers.errors import CatalogError
+from tessera_diffusers.testing import random_mask, random_qkv
+
+ops = pytest.importorskip("tessera_diffusers.ops")
+
+
+@pytest.fixture()
+def launches(monkeypatch):
+    try:
+        ops.load_library()
+    except CatalogError as err:
+        pytest.skip(f"native library not loadable here: {err}")
+    seen = []
+    monkeypatch.setattr(ops, "launch_filled", lambda template, p, m, device: seen.append((template, p, m)))
+    return seen
+
+
+@pytest.mark.parametrize("splits", (1, 3))
+def test_direct_launch_fills_every_field(launches, splits):
+    kernel = next(k for k in portable_kernels() if (k.tile_q, k.tile_kv, k.head_dim, k.dtype) == (64, 64, 64, "bf16"))
+    mask = random_mask(2, 1, 300, 500, 32, 32, density=0.3, seed=2)
+    plan = PhysicalPlan(32, 32, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, splits), kernel)
+    prepared = prepare(plan, build_mask_state(mask))
+    q, k, v = random_qkv(2, 300, 500, 3, 64, torch.bfloat16, torch.device("cpu"), seed=1)
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)  # other (b, s, h) strides than q's
+    for call in range(2):
+        out, lse = ops.run_direct(prepared, q, k, v, 0.125, True)
+        template, p, m = launches[-1]
+        assert (p.q, p.k, p.v, p.o, p.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+        assert [list(s) for s in (p.q_stride, p.k_stride, p.v_stride, p.o_stride)] == \
+            [list(t.stride()[:3]) for t in (q, k, v, out)]
+        assert (p.batch, p.heads, p.seq_q, p.seq_kv, p.mask_batch, p.mask_heads) == (2, 3, 300, 500, 2, 1)
+        assert [p.num_q_tiles, p.capacity, p.slots, p.q_unit_log2, p.kv_unit_log2, p.num_splits] == \
+            prepared.launch_config()[:6]
+        assert (p.tile_counts, p.tile_slots, p.tile_member, p.q_order) == tuple(
+            t.data_ptr() for t in (prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order))
+        assert p.grid_size == 0 and p.scale_log2 == pytest.approx(0.125 * ops.LOG2E)
+        assert template.kernel_id == ops.load_library().kernel_ids[kernel.name]
+        if splits == 1:
+            assert m is None and not p.o_partial
+        else:
+            assert (m.o_partial, m.lse_partial, m.o, m.lse) == (p.o_partial, p.lse_partial, p.o, p.lse) and p.o_partial
+            assert (m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits, m.dtype) == (2, 3, 300, 64, splits, 0)
+            assert list(m.o_stride) == list(out.stride()[:3])
+    assert len(prepared.__dict__["_launch_templates"]) == 1  # the second call reused the template
+    out = ops.run_direct(prepared, q, k, v, 0.125, False)
+    assert not launches[-1][1].lse and launches[-1][1].o == out.data_ptr()
+
+
+def test_the_custom_op_launch_fills_the_same_fields(launches):
+    """``ops.launch`` (the custom op's body) builds its parameters like the eager path."""
+    kernel = next(k for k in portable_kernels() if (k.tile_q, k.tile_kv, k.head_dim, k.dtype) == (128, 64, 128, "fp16"))
+    mask = random_mask(1, 2, 700, 700, 64, 64, density=0.4, seed=3)
+    plan = PhysicalPlan(64, 64, KvLayout.CONTIGUOUS, TaskOrganization(Traversal.LONGEST_FIRST, 2), kernel)
+    prepared = prepare(plan, build_mask_state(mask))
+    q, k, v = random_qkv(1, 700, 700, 2, 128, torch.float16, torch.device("cpu"), seed=4)
+    ops.run_direct(prepared, q, k, v, 0.1, True)
+    direct = launches[-1][1]
+    out, lse, workspace = ops.output_buffers(q, 2, True)
+    ops.launch(q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
+               kernel.name, prepared.launch_config(), 0.1, out, lse, workspace)
+    _, p, m = launches[-1]
+    pointers = {"q", "k", "v", "o", "lse", "o_partial", "lse_partial"}
+    for name, _ in ops.TesseraAttnParams._fields_:
+        if name not in pointers:
+            a, b = getattr(p, name), getattr(direct, name)
+            assert (list(a) if hasattr(a, "__len__") else a) == (list(b) if hasattr(b, "__len__") else b), name
+    assert (p.o, p.lse, p.o_partial) == (out.data_ptr(), lse.data_ptr(), workspace[0].data_ptr())
+    assert (m.o, m.lse_partial) == (out.data_ptr(), workspace[1].data_ptr())
