@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with_table = Selector(table=table, kernels=kernels)
     first = with_table.selection(request, states[0])
-    if first.source != "plan table":
+    if not first.source.startswith("plan table"):
         print(f"the table does not cover {request.name}: {first.notes}", file=sys.stderr)
         return 1
     no_table = Selector(table=None, kernels=kernels)

@@ -103,6 +103,7 @@ class RequestEntry:
     last_regime: int | None = None  # the regime the previous request of this entry fell in
     cost_model_choice: Selection | None = None  # the previous cost-model decision (for reuse_regime)
     arbitrated: dict = field(default_factory=dict)  # regime index -> the last mixed-regime decision
+    contenders: dict = field(default_factory=dict)  # regime index -> its eligible contenders and their names
     eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
     eligible_names: tuple[str, ...] = ()
     rejected: tuple[tuple[str, str], ...] = ()
@@ -331,8 +332,11 @@ class Selector:
         if reuse and self.reuse_regime and index in entry.arbitrated:
             self.regime_reuses += 1
             return entry.arbitrated[index]
-        plans = [entry.plans[name] for name in regime.contenders]
-        eligible = [p for p in plans if rejection(p, request) is None]
+        cached = entry.contenders.get(index)
+        if cached is None:  # once per (request, regime)
+            names = [name for name in regime.contenders if rejection(entry.plans[name], request) is None]
+            cached = entry.contenders[index] = ([entry.plans[name] for name in names], names)
+        eligible, names = cached
         if not eligible:
             return selection
         stats = state.host_stats() | row_union_stats(eligible, request.block_q, state)
@@ -340,7 +344,7 @@ class Selector:
         order = sorted(range(len(eligible)), key=estimates.__getitem__)
         note = (f"mixed regime (first plan's GM regret {regime.fit_regret:.3f} on its cases): the cost model "
                 f"chose among its {len(eligible)} eligible contenders")
-        chosen = Selection(request, tuple((eligible[i].name, estimates[i]) for i in order), selection.rejected,
+        chosen = Selection(request, tuple((names[i], estimates[i]) for i in order), selection.rejected,
                            eligible[order[0]], "plan table + cost model", regime, selection.notes + (note,))
         entry.arbitrated[index] = chosen
         return chosen
