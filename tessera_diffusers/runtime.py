@@ -73,9 +73,9 @@ class Runtime:
     """Prepared-plan cache and selection front end (one per pipeline or processor).
 
     An exact repeat of a request — the same mask object and the same shapes — skips selection and
-    preparation. Entries (and their device metadata) are dropped when their mask object dies. A new mask goes through ``selector`` (plan
-    table regime lookup, or the cost model), whose own cache skips the ranking scan for a regime it
-    has seen."""
+    preparation. Entries (and their device metadata) are dropped when their mask object dies. A new
+    mask goes through ``selector`` (plan table regime lookup, or the cost model), whose own cache
+    skips the ranking scan for a regime it has seen."""
 
     max_entries: int = 256
     _cache: dict = field(default_factory=dict, repr=False)

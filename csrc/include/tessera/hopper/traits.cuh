@@ -28,9 +28,10 @@ struct Traits {
   static constexpr int kSmemQBytes = kTileQ * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemKVBytes = kTileKV * kHeadDim * kStages * int(sizeof(Element));
   static constexpr int kSmemBytes = kSmemQBytes + 2 * kSmemKVBytes + 1024;  // + alignment slack
-  // A 64 x 64 tile has one consumer warpgroup and needs at most 113 KB, so two CTAs share an SM
-  // and each one's softmax overlaps the other's GEMMs (the role the second consumer warpgroup of
-  // a 128-row tile plays); 1 KB of every CTA's 228 KB is reserved by the hardware.
+  // A 64 x 64 tile has one consumer warpgroup and, with a 2-stage ring, needs 81 KB at D = 128, so
+  // two CTAs share an SM and each one's softmax overlaps the other's GEMMs (the role the second
+  // consumer warpgroup of a 128-row tile plays). The SM's 228 KB also hold 1 KB reserved per CTA
+  // and the static barriers: 2 KB of margin per CTA covers both.
   static constexpr int kCtasPerSm = kTileQ == 64 && kTileKV == 64 && 2 * (kSmemBytes + 2048) <= 228 * 1024 ? 2 : 1;
 
   // Register budgets after setmaxnreg. 384 threads at one CTA per SM launch with 168 registers each
