@@ -113,12 +113,8 @@ class MaskState:
         native = self.native_counts(tuple(missing), read=True)
         if native is not None:
             module = native_path(self.mask.blocks.device)
-            active, unions = native.host_counts()[0], native.unions
-            left = [r for r in missing if r not in unions]
-            for start in range(0, len(left), module.MAX_UNION_GROUPS):  # sizes the first launch lacked
-                more = module.launch_mask_counts(self.mask.blocks, tuple(left[start:start + module.MAX_UNION_GROUPS]))
-                unions |= more.unions
-            values = [active] + [unions[r] for r in missing]
+            unions = native.unions_for(self.mask.blocks, tuple(missing), module.launch_mask_counts)
+            values = [native.host_counts()[0]] + [unions[r] for r in missing]
         else:
             blocks = self.mask.blocks
             sums = [blocks.sum(dtype=torch.int64)]

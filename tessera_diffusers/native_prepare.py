@@ -275,6 +275,17 @@ class NativeMaskCounts:
         host = self.host_counts()
         return {r: host[NUM_MASK_COUNTS + k] for k, r in enumerate(self.groups)}
 
+    def unions_for(self, blocks: torch.Tensor, rows: tuple[int, ...], launch=None) -> dict[int, int]:
+        """Union sums for every size of ``rows``: this launch's, and one more ``launch`` (default
+        ``launch_mask_counts``) and read per four sizes it lacks. ``blocks`` is the block tensor
+        this launch counted."""
+        launch = launch or launch_mask_counts
+        unions = dict(self.unions)
+        left = [r for r in dict.fromkeys(int(r) for r in rows) if r not in unions]
+        for start in range(0, len(left), MAX_UNION_GROUPS):
+            unions |= launch(blocks, tuple(left[start:start + MAX_UNION_GROUPS])).unions
+        return unions
+
 
 def launch_mask_counts(
     blocks: torch.Tensor, groups: tuple[int, ...] = (), read: bool = True, library: ops.NativeLibrary | None = None
@@ -309,7 +320,4 @@ def mask_counts_native(blocks: torch.Tensor, rows: tuple[int, ...] = ()) -> tupl
     read per four group sizes."""
     groups = tuple(dict.fromkeys(int(r) for r in rows))
     first = launch_mask_counts(blocks, groups[:MAX_UNION_GROUPS])
-    unions = first.unions
-    for start in range(MAX_UNION_GROUPS, len(groups), MAX_UNION_GROUPS):
-        unions |= launch_mask_counts(blocks, groups[start:start + MAX_UNION_GROUPS]).unions
-    return first.host_counts()[:NUM_MASK_COUNTS], unions
+    return first.host_counts()[:NUM_MASK_COUNTS], first.unions_for(blocks, groups)
