@@ -7,8 +7,8 @@ tile window, top-k tuned to ``--density`` of the block pairs).
     torchrun --nproc-per-node 2 benchmarks/cp_scaling.py --out DIR            # 2 GPUs (H200), NCCL
     torchrun --nproc-per-node 2 benchmarks/cp_scaling.py --out DIR --smoke    # CPU, gloo, tiny shapes
 
-NVLink multicast is never used: ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``
-are set by this script before any communicator exists (whatever the environment said).
+NVLink multicast is never used: ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
+``NVSHMEM_DISABLE_NVLS=1`` are set by this script before any communicator exists (whatever the environment said).
 
 Part 1, attention (one self-attention call of one layer, what ``TesseraProcessor`` runs per layer):
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 
 # Before torch creates any communicator: no NVLink multicast (NVLS) in NCCL or symmetric memory.
-FORCED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+FORCED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(FORCED_ENV)
 
 import argparse
@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
-from tessera_diffusers.parallel import Ulysses
+from tessera_diffusers.parallel import DEFAULT_HEAD_CHUNKS, Ulysses, layout_attention
 from tessera_diffusers.runtime import Runtime
 from tessera_diffusers.sparsifiers import LatentGrid, SSTASparsifier, top_k_for_block_density
 
@@ -88,7 +88,7 @@ class Setup:
 
 
 # ============================================================================ process group
-def init_distributed(smoke: bool) -> Setup:
+def init_distributed(smoke: bool, high_priority: bool = False) -> Setup:
     """One process per GPU (torchrun's RANK / WORLD_SIZE / LOCAL_RANK); gloo on the CPU for ``--smoke``."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -108,7 +108,11 @@ def init_distributed(smoke: bool) -> Setup:
         return Setup(rank, world, torch.device("cpu"), "gloo")
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device)
+    options = None
+    if high_priority:
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device, pg_options=options)
     return Setup(rank, world, device, "nccl")
 
 
@@ -167,8 +171,10 @@ class Scaling:
 
     t1_ms: float
     tn_ms: float  # slowest rank
-    tn_min_ms: float  # fastest rank (the spread is load imbalance between head slices)
+    tn_min_ms: float  # fastest rank (the spread is load imbalance between head slices or GPUs)
     world: int
+    t1_per_rank_ms: list[float]  # every GPU alone on the whole problem
+    tn_per_rank_ms: list[float]
 
     @property
     def efficiency(self) -> float:
@@ -183,11 +189,17 @@ class Scaling:
 
 
 def scaling(t1: float, tn: float, setup: Setup) -> Scaling:
-    """``t1`` measured on rank 0 (nan elsewhere), ``tn`` on every rank."""
-    t1 = reduce_float(t1 if setup.rank == 0 else -math.inf, dist.ReduceOp.MAX, setup)
-    return Scaling(
-        t1, reduce_float(tn, dist.ReduceOp.MAX, setup), reduce_float(tn, dist.ReduceOp.MIN, setup), setup.world
-    )
+    """``t1`` and ``tn`` measured on every rank; T_1 is rank 0's GPU alone (the others' are kept to
+    show how far GPUs of one host differ), T_N the slowest rank."""
+    t1s, tns = gather_floats(t1, setup), gather_floats(tn, setup)
+    return Scaling(t1s[0], max(tns), min(tns), setup.world, t1s, tns)
+
+
+def gather_floats(value: float, setup: Setup) -> list[float]:
+    t = torch.tensor([value], dtype=torch.float64, device=setup.device)
+    parts = [torch.empty_like(t) for _ in range(setup.world)]
+    dist.all_gather(parts, t)
+    return [float(p) for p in parts]
 
 
 # ============================================================================ part 1: attention
@@ -239,31 +251,39 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
         m = sparsifier(ql, kl, layer=0, step=0, grid=problem.grid) if recompute else mask
         return layout.to_raster(runtime.attention(ql, kl, vl, m))
 
-    def n_gpus(recompute: bool, runtime: Runtime) -> torch.Tensor:  # as parallel.ulysses_wan_self_attention
-        pending = ulysses.scatter_heads_async(q_loc, k_loc, v_loc)
-        ql, kl = (layout.to_layout(p.wait()) for p in pending[:2])
-        m = sparsifier(ql, kl, layer=0, step=0, grid=problem.grid) if recompute else local  # overlaps v's transfer
-        vl = layout.to_layout(pending[2].wait())
-        return ulysses.gather_heads(layout.to_raster(runtime.attention(ql, kl, vl, m)))
+    def n_gpus(recompute: bool, runtime: Runtime, ulysses: Ulysses) -> torch.Tensor:  # as TesseraProcessor
+        def attend(chunk, qc, kc, vc, m):
+            return runtime.attention(qc, kc, vc, m)
+
+        def make_mask(ql, kl):  # this rank's heads
+            return sparsifier(ql, kl, layer=0, step=0, grid=problem.grid)
+
+        return layout_attention(
+            ulysses, q_loc, k_loc, v_loc, layout, attend, mask=None if recompute else local, make_mask=make_mask
+        )
 
     reps, warmup = args.reps, args.warmup
-    report: dict = {"mask_density": mask.density(), "mask": repr(mask).split("\n")[0]}
+    report: dict = {"mask_density": mask.density(), "mask": repr(mask).split("\n")[0], "chunks": {}}
     with torch.inference_mode():
         for variant, recompute in (("mask_reused", False), ("mask_recomputed", True)):
-            t1 = math.nan
-            if setup.rank == 0:
-                runtime_1 = Runtime()
-                t1 = time_ms(lambda r=recompute, rt=runtime_1: one_gpu(r, rt), setup, reps, warmup, aligned=False)
+            # every GPU alone on the whole problem (rank 0's time is T_1; the others show the spread)
+            t1 = time_ms(lambda r=recompute, rt=Runtime(): one_gpu(r, rt), setup, reps, warmup, aligned=False)
             barrier(setup)
-            runtime_n = Runtime()
-            tn = time_ms(lambda r=recompute, rt=runtime_n: n_gpus(r, rt), setup, reps, warmup, aligned=True)
-            report[variant] = scaling(t1, tn, setup).as_dict()
-            row = report[variant]
-            print0(
-                setup,
-                f"[attention/{variant}] 1 GPU {row['t1_ms']:.2f} ms, {world} GPUs {row['tn_ms']:.2f} ms, "
-                f"efficiency {row['efficiency']:.3f}",
-            )
+            for chunks in args.chunks:
+                ulysses_c = Ulysses(chunks=chunks)
+                name = variant if chunks == args.chunks[0] else f"{variant}_chunks{chunks}"
+                report["chunks"][name] = ulysses_c.head_chunks(heads)
+                tn = time_ms(
+                    lambda r=recompute, rt=Runtime(), u=ulysses_c: n_gpus(r, rt, u), setup, reps, warmup, aligned=True
+                )
+                report[name] = scaling(t1, tn, setup).as_dict()
+                row = report[name]
+                print0(
+                    setup,
+                    f"[attention/{name}] 1 GPU {row['t1_ms']:.2f} ms (every GPU: "
+                    f"{', '.join(f'{t:.2f}' for t in row['t1_per_rank_ms'])}), {world} GPUs {row['tn_ms']:.2f} ms, "
+                    f"efficiency {row['efficiency']:.3f}",
+                )
 
         # Parts alone: the all-to-alls, and the kernel on all heads / on this rank's heads.
         out_like = torch.empty(
@@ -279,18 +299,16 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
         ql_n, kl_n, vl_n = (layout.to_layout(t) for t in ulysses.scatter_heads(q_loc, k_loc, v_loc))
         runtime_n = Runtime()
         kernel_n = time_ms(lambda: runtime_n.attention(ql_n, kl_n, vl_n, local), setup, reps, warmup, aligned=True)
-        kernel_1 = math.nan
-        if setup.rank == 0:
-            ql_1, kl_1, vl_1 = (layout.to_layout(t) for t in (q, k, v))
-            runtime_1 = Runtime()
-            kernel_1 = time_ms(lambda: runtime_1.attention(ql_1, kl_1, vl_1, mask), setup, reps, warmup, aligned=False)
-            del ql_1, kl_1, vl_1
+        ql_1, kl_1, vl_1 = (layout.to_layout(t) for t in (q, k, v))
+        runtime_1 = Runtime()
+        kernel_1 = time_ms(lambda: runtime_1.attention(ql_1, kl_1, vl_1, mask), setup, reps, warmup, aligned=False)
+        del ql_1, kl_1, vl_1
         barrier(setup)
         report["kernel"] = scaling(kernel_1, kernel_n, setup).as_dict()
         report["all_to_all_ms"] = reduce_float(a2a, dist.ReduceOp.MAX, setup)
 
         # The N-GPU output against the 1-GPU output (mask reused: the same mask, the same heads).
-        out_n = gather_sequence(n_gpus(False, Runtime()))
+        out_n = gather_sequence(n_gpus(False, Runtime(), Ulysses(chunks=args.chunks[0])))
         if setup.rank == 0:
             out_1 = one_gpu(False, Runtime())
             report["max_abs_diff"], report["rel_l2"] = max_abs_diff(out_n, out_1), rel_l2(out_n, out_1)
@@ -405,9 +423,15 @@ def write_reports(out: Path, report: dict) -> None:
         "|---|---|---|---|---|---|",
     ]
     attention = report.get("attention") or {}
+    what = {
+        "mask_reused": "attention, mask reused (all-to-alls + permutations + Tessera)",
+        "mask_recomputed": "attention, mask recomputed (+ sparsifier + plan)",
+    }
     rows = [
-        ("attention, mask reused (all-to-alls + permutations + Tessera)", attention.get("mask_reused")),
-        ("attention, mask recomputed (+ sparsifier + plan)", attention.get("mask_recomputed")),
+        (f"{what[key.split('_chunks')[0]]}, {chunks} head chunk{'s' * (chunks > 1)}", attention.get(key))
+        for key, chunks in (attention.get("chunks") or {}).items()
+    ]
+    rows += [
         (f"Tessera kernel alone ({heads} heads vs {heads // world} heads)", attention.get("kernel")),
         (
             f"transformer forward ({(report.get('transformer') or {}).get('layers')} layers)",
@@ -422,6 +446,13 @@ def write_reports(out: Path, report: dict) -> None:
             )
     lines.append("")
     if attention:
+        per_rank = ", ".join(f"{t:.2f}" for t in attention["mask_reused"]["t1_per_rank_ms"])
+        kernel = attention["kernel"]
+        lines.append(
+            f"- Every GPU alone on the whole problem (mask reused): {per_rank} ms (T_1 is GPU 0's). Kernel alone, "
+            f"whole problem per GPU: {', '.join(f'{t:.2f}' for t in kernel['t1_per_rank_ms'])} ms; "
+            f"its heads per rank: {', '.join(f'{t:.2f}' for t in kernel['tn_per_rank_ms'])} ms."
+        )
         lines.append(
             f"- All-to-alls alone (q, k, v out and the output back), slowest rank: {attention['all_to_all_ms']:.2f} ms; "
             f"mask density {attention['mask_density']:.3f}."
@@ -446,11 +477,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2, help="Wan2.1-14B blocks in the transformer part")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10; smoke 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed repetitions first (default 3; smoke 1)")
+    parser.add_argument(
+        "--chunks",
+        default=f"{DEFAULT_HEAD_CHUNKS},1",
+        help="head chunks of the pipelined exchange, comma-separated; the first is the headline, 1 = unpipelined",
+    )
+    parser.add_argument(
+        "--nccl-high-priority", action="store_true", help="NCCL on a high-priority stream (ProcessGroupNCCL.Options)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, gloo on the CPU")
     args = parser.parse_args(argv)
     args.reps = args.reps if args.reps is not None else (2 if args.smoke else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    try:
+        args.chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
+    except ValueError:
+        raise InvalidArgumentError("--chunks", "comma-separated ints >= 1", args.chunks) from None
+    if not args.chunks or min(args.chunks) < 1:
+        raise InvalidArgumentError("--chunks", "comma-separated ints >= 1", args.chunks)
     unknown = set(args.parts) - {"attention", "transformer"}
     if unknown:
         raise InvalidArgumentError("--parts", "attention and/or transformer", sorted(unknown))
@@ -459,7 +504,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    setup = init_distributed(args.smoke)
+    setup = init_distributed(args.smoke, args.nccl_high_priority)
     try:
         problem = SMOKE if args.smoke else WAN_720P
         sparsifier = sparsifier_for(problem, args.density, args.smoke)

@@ -14,11 +14,14 @@
 #   demo       tessera demo --device cuda (the README's main job on the GPU)
 #   request    benchmarks/request_breakdown.py (REQUEST_ARGS): where a cold request's time goes
 #   profile    tessera profile (PROFILE_MINUTES, PROFILE_ARGS); records and table under $OUT/profile
+#   cp         torchrun benchmarks/cp_scaling.py on CP_NPROC GPUs (default: all), CP_ARGS, CP_TAG; needs 2+ GPUs
 # Logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/tessera_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# Never NVLink multicast on shared multi-GPU hosts (it can take the host's GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 if [ ! -f tessera_diffusers/_native/libtessera_kernels.so ]; then
@@ -71,6 +74,13 @@ for STEP in "${@:-tests}"; do
     request)
       timeout ${REQUEST_TIMEOUT:-240} python3 benchmarks/request_breakdown.py --out "$OUT/request_breakdown.json" \
         ${REQUEST_ARGS:-} 2>&1 | tee "$OUT/request.log" | tail -30 ;;
+    cp)
+      NPROC=${CP_NPROC:-$(nvidia-smi -L | wc -l)}
+      nvidia-smi topo -m > "$OUT/topology.txt" 2>&1; head -5 "$OUT/topology.txt"
+      CTAG=${CP_TAG:-cp}
+      timeout ${CP_TIMEOUT:-420} torchrun --standalone --nproc-per-node $NPROC benchmarks/cp_scaling.py --out "$OUT/$CTAG" \
+        ${CP_ARGS:-} 2>&1 | tee "$OUT/$CTAG.log" | grep -v "^W1" | tail -30
+      (cd "$OUT" && tar czf $CTAG.tgz $CTAG && rm -rf $CTAG) ;;
     demo)
       timeout ${DEMO_TIMEOUT:-120} tessera demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v "it/s" | tail -8 ;;
     *) echo "unknown step $STEP" ;;

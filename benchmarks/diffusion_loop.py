@@ -163,9 +163,9 @@ class TimedBackend:
     def __init__(self, inner, timer: Timer):
         self.inner, self.timer, self.name = inner, timer, inner.name
 
-    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False):
+    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False, part=None):
         with self.timer.span():
-            return self.inner.attention(q, k, v, mask, slot=slot, cache=cache, return_lse=return_lse)
+            return self.inner.attention(q, k, v, mask, slot=slot, cache=cache, return_lse=return_lse, part=part)
 
 
 class TimedSparsifier:
@@ -306,14 +306,14 @@ class FlexBackend:
             out, lse = self.fn(qh, kh, vh, block_mask=block_mask, kernel_options=kernel_options, return_lse=True)
         return out.transpose(1, 2), lse.float()
 
-    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False):
+    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False, part=None):
         batch, _, heads, _ = q.shape
 
         def build():
             block_mask = self.block_mask(mask, batch, heads)
             return block_mask, 0
 
-        block_mask = cache.plan(slot, (self.name, batch, heads), build)
+        block_mask = cache.plan(slot, (self.name, batch, heads, part), build)
         small = mask.block_q % 128 or mask.block_kv % 128
         options = {"BLOCK_M": 64, "BLOCK_N": 64} if small and self.compiled else None
         out, lse = self.run(q, k, v, block_mask, options)
@@ -373,10 +373,10 @@ class FlashInferBackend:
             lses.append(lse)
         return torch.stack(outs), torch.stack(lses).float()
 
-    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False):
+    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False, part=None):
         heads, head_dim = q.shape[2], q.shape[3]
         wrapper = cache.plan(
-            slot, (self.name, heads, head_dim, q.dtype), lambda: (self.plan(mask, heads, head_dim, q.dtype), 0)
+            slot, (self.name, heads, head_dim, q.dtype, part), lambda: (self.plan(mask, heads, head_dim, q.dtype), 0)
         )
         out, lse = self.run(wrapper, q, k, v)
         return (out, lse * self.lse_scale) if return_lse else out  # lse in natural log, whatever FlashInfer's base

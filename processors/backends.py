@@ -13,6 +13,8 @@ same two methods.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -43,7 +45,12 @@ class SparseAttentionBackend(Protocol):
         slot: CacheSlot,
         cache: StepCache,
         return_lse: bool = False,
-    ) -> AttentionResult: ...
+        part: Hashable = None,
+    ) -> AttentionResult:
+        """Attention of ``q, k, v [B, S, H, D]`` under ``mask``; plan state goes in ``slot`` through
+        ``cache.plan``, keyed with ``part`` (several head parts of one slot's mask, e.g. the head
+        chunks of a pipelined context-parallel call, each with its own plan)."""
+        ...
 
 
 class TesseraBackend:
@@ -69,6 +76,7 @@ class TesseraBackend:
         slot: CacheSlot,
         cache: StepCache,
         return_lse: bool = False,
+        part: Hashable = None,
     ) -> AttentionResult:
         scale = check_inputs(q, k, v, mask, None)
         request = make_request(q, k, mask, return_lse)
@@ -77,7 +85,7 @@ class TesseraBackend:
             prepared = self.runtime.plan_request(build_mask_state(mask), request, None)
             return prepared, tensor_nbytes(prepared)
 
-        prepared = cache.plan(slot, (self.name, request), build)
+        prepared = cache.plan(slot, (self.name, request, part), build)
         if prepared is None:  # no native plan for this request: the reference path
             return reference.attention(q, k, v, mask, scale, return_lse)
         return execute(prepared, q, k, v, scale, return_lse)

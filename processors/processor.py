@@ -332,23 +332,39 @@ class TesseraProcessor:
         """The layer's mask for this step: kept from an earlier step, or made by the sparsifier.
 
         ``q, k [B, S, H, D]`` in layout order."""
-        branch = "*" if self.share_branch_masks else call.branch
-        key = (route.model, route.layer, branch)
+        slot = self.kept_video_slot(route, call, layout, q.shape[0], q.shape[2], q.device)
+        return self.new_video_mask(route, call, layout, q, k) if slot is None else (slot.mask, slot)
+
+    def kept_video_slot(
+        self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, batch: int, heads: int, device
+    ) -> CacheSlot | None:
+        """The slot of a mask kept for this step and these ``batch x heads`` (counted as a sparse
+        call), or None when the sparsifier must run (``new_video_mask``)."""
+        slot = self.cache.kept_mask(self.mask_key(route, call), call.step, (layout, batch, heads, str(device)))
+        if slot is not None:
+            self.sparse_calls += 1
+        return slot
+
+    def new_video_mask(
+        self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[LogicalMask | None, CacheSlot]:
+        """The sparsifier's mask for this step (None: a dense decision), stored in the step cache."""
+        mask = self.sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
+        if mask is not None and self.ulysses is not None:  # q holds this rank's heads only
+            mask = self.ulysses.local_mask(mask, q.shape[2] * self.ulysses.degree)
+        if mask is not None:
+            check_video_mask(mask, q, layout)
+            self.record_density(mask)
         signature = (layout, q.shape[0], q.shape[2], str(q.device))
-        slot = self.cache.kept_mask(key, call.step, signature)
-        if slot is None:
-            mask = self.sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
-            if mask is not None and self.ulysses is not None:  # q holds this rank's heads only
-                mask = self.ulysses.local_mask(mask, q.shape[2] * self.ulysses.degree)
-            if mask is not None:
-                check_video_mask(mask, q, layout)
-                self.record_density(mask)
-            slot = self.cache.store_mask(key, mask, call.step, signature)
+        slot = self.cache.store_mask(self.mask_key(route, call), mask, call.step, signature)
         if slot.mask is None:
             self.dense_calls += 1
         else:
             self.sparse_calls += 1
         return slot.mask, slot
+
+    def mask_key(self, route: ModuleRoute, call: ForwardContext) -> tuple:
+        return (route.model, route.layer, "*" if self.share_branch_masks else call.branch)
 
     def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Full attention without a mask tensor for ``q, k, v [B, S, H, D]`` (the dense decisions of

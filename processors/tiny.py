@@ -21,13 +21,15 @@ from diffusers import (
 TEXT_DIM = 16
 
 
-def tiny_wan_transformer(num_layers: int = 2, image: bool = False, seed: int = 0) -> WanTransformer3DModel:
-    """2 heads x 12, ``num_layers`` blocks; ``image=True`` adds the I2V image cross-attention."""
+def tiny_wan_transformer(
+    num_layers: int = 2, image: bool = False, seed: int = 0, heads: int = 2
+) -> WanTransformer3DModel:
+    """``heads`` heads x 12, ``num_layers`` blocks; ``image=True`` adds the I2V image cross-attention."""
     torch.manual_seed(seed)
     extra = {"image_dim": 12, "added_kv_proj_dim": 24} if image else {}
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
+        num_attention_heads=heads,
         attention_head_dim=12,
         in_channels=4,
         out_channels=4,

@@ -70,6 +70,9 @@ if TYPE_CHECKING:
     from .processors.context import ForwardContext, ModuleRoute
 
 
+DEFAULT_HEAD_CHUNKS = 4  # at 20 heads a rank: 5 heads (~3,000 CTAs at 720p) per kernel, 1/4 of the traffic exposed
+
+
 class ContextParallelError(TesseraError):
     """A context-parallel configuration or call Tessera cannot run (ring attention, uneven splits)."""
 
@@ -79,24 +82,35 @@ class Ulysses:
 
     Args:
         group: the process group of the Ulysses dimension (``None``: the default group).
+        chunks: the most head chunks a rank's attention is pipelined in (see ``head_chunks``); 1
+            exchanges all heads at once.
 
     Rank ``r`` of ``N`` holds tokens ``[r * S/N, (r + 1) * S/N)`` outside attention and heads
     ``[r * H/N, (r + 1) * H/N)`` inside it. Slices of a mask are kept per source mask object, so
     the plan prepared for a slice is reused as long as the source mask lives.
+
+    Pipelining: the rank's heads are cut into ``C`` chunks; chunk ``c`` of q, k and v travels in
+    its own all-to-all, so attention of chunk ``c`` runs while chunk ``c + 1`` is in flight and the
+    output of chunk ``c - 1`` travels back (``scatter_head_chunks``, ``HeadChunkGather``). Every
+    chunk's attention is that of its heads alone, so the result is the unpipelined one.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, chunks: int = DEFAULT_HEAD_CHUNKS):
         if not dist.is_available() or not dist.is_initialized():
             raise ContextParallelError("torch.distributed is not initialised (call init_process_group first)")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise InvalidArgumentError("chunks", "an int >= 1", repr(chunks))
         self.group = group
+        self.chunks = chunks
         self.degree = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self._pack_streams: dict[int, torch.cuda.Stream] = {}
         self._slices: weakref.WeakKeyDictionary[LogicalMask, dict[tuple[int, int], LogicalMask]] = (
             weakref.WeakKeyDictionary()
         )
 
     @classmethod
-    def from_parallel_config(cls, config: Any) -> Ulysses | None:
+    def from_parallel_config(cls, config: Any, chunks: int = DEFAULT_HEAD_CHUNKS) -> Ulysses | None:
         """The Ulysses group of a diffusers ``ParallelConfig`` / ``ContextParallelConfig`` (set up by
         ``enable_parallelism``); ``None`` without context parallelism. Raises ``ContextParallelError``
         for what Tessera cannot run (ring attention, ``ulysses_anything``)."""
@@ -128,7 +142,7 @@ class Ulysses:
                 "ContextParallelConfig: expected a config set up by transformer.enable_parallelism(...) "
                 "(it builds the device mesh), got one without a ulysses mesh"
             )
-        ulysses = cls(mesh.get_group())
+        ulysses = cls(mesh.get_group(), chunks)
         if ulysses.degree != degree:
             raise ContextParallelError(
                 f"ulysses mesh: expected {degree} ranks (ulysses_degree), got a group of {ulysses.degree}"
@@ -160,13 +174,38 @@ class Ulysses:
             raise MaskError(
                 "mask head dim", f"1, {heads} (all heads) or {stop - start} (this rank's heads)", mask.heads
             )
+        return self.head_slice(mask, start, stop)
+
+    def head_slice(self, mask: LogicalMask, start: int, stop: int) -> LogicalMask:
+        """Heads ``[start, stop)`` of ``mask`` as a mask of its own (contiguous, so its bytes are its
+        own), one object per source mask and range: a plan prepared for it lives as long as the
+        source. A broadcast head dim (1) is returned as is."""
+        if mask.heads == 1 or (start, stop) == (0, mask.heads):
+            return mask
         per_mask = self._slices.setdefault(mask, {})
-        local = per_mask.get((start, stop))
-        if local is None:
+        part = per_mask.get((start, stop))
+        if part is None:
             view = mask.select_heads(start, stop)
-            local = LogicalMask(view.blocks.contiguous(), view.block_q, view.block_kv, view.seq_len_q, view.seq_len_kv)
-            per_mask[(start, stop)] = local
-        return local
+            part = LogicalMask(view.blocks.contiguous(), view.block_q, view.block_kv, view.seq_len_q, view.seq_len_kv)
+            per_mask[(start, stop)] = part
+        return part
+
+    def head_chunks(self, heads: int) -> int:
+        """How many chunks this rank's ``heads / N`` heads of ``heads`` are pipelined in: the largest
+        divisor of ``heads / N`` that is at most ``self.chunks``."""
+        start, stop = self.head_range(heads)
+        local = stop - start
+        return max(c for c in range(1, min(self.chunks, local) + 1) if local % c == 0)
+
+    def chunk_mask(self, local: LogicalMask, chunk: int, chunks: int) -> LogicalMask:
+        """The part of this rank's mask (``local``, ``H / N`` heads or 1) for head chunk ``chunk`` of
+        ``chunks``."""
+        if local.heads == 1 or chunks == 1:
+            return local
+        if local.heads % chunks:
+            raise MaskError("mask head dim", f"a multiple of the {chunks} head chunks", local.heads)
+        per_chunk = local.heads // chunks
+        return self.head_slice(local, chunk * per_chunk, (chunk + 1) * per_chunk)
 
     # ------------------------------------------------------------------ all-to-all
     def scatter_heads(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -180,6 +219,62 @@ class Ulysses:
             check_4d(f"tensors[{i}]", t)
             self.head_range(t.shape[2])
         return [self.exchange_async(t, scatter_dim=2, gather_dim=1) for t in tensors]
+
+    def scatter_head_chunks(self, x: torch.Tensor, chunks: int) -> list[PendingExchange]:
+        """``x [B, S/N, H, D]`` -> one exchange per head chunk ``c``, each arriving as ``[B, S, H/(N C), D]``:
+        this rank's heads ``[c H/(N C), (c + 1) H/(N C))`` of its ``H/N``. Issued in chunk order;
+        chunks of several tensors interleave when called chunk by chunk (``scatter_interleaved``)."""
+        check_4d("x", x)
+        start, stop = self.head_range(x.shape[2])
+        if (stop - start) % chunks:
+            raise InvalidArgumentError("chunks", f"a divisor of this rank's {stop - start} heads", chunks)
+        return [self.exchange_chunk(x, c, chunks) for c in range(chunks)]
+
+    def scatter_interleaved(self, tensors: Sequence[torch.Tensor], chunks: int) -> list[list[PendingExchange]]:
+        """``scatter_head_chunks`` of several tensors, issued chunk by chunk (``q_0, k_0, v_0, q_1, ...``)
+        so that chunk 0 of every tensor arrives first. Returns ``[chunk][tensor]``."""
+        for i, t in enumerate(tensors):
+            check_4d(f"tensors[{i}]", t)
+            start, stop = self.head_range(t.shape[2])
+            if (stop - start) % chunks:
+                raise InvalidArgumentError("chunks", f"a divisor of this rank's {stop - start} heads", chunks)
+        return [[self.exchange_chunk(t, c, chunks) for t in tensors] for c in range(chunks)]
+
+    def exchange_chunk(self, x: torch.Tensor, chunk: int, chunks: int) -> PendingExchange:
+        """Head chunk ``chunk`` of every rank's heads of ``x [B, S/N, H, D]``, all-to-all'd to ``[B, S, h, D]``."""
+        if self.degree == 1 and chunks == 1:
+            return PendingExchange(x, x, None, 1)
+        n, heads = self.degree, x.shape[2]
+        # [B, S/N, N, C, h, D] -> piece j = rank j's heads of the chunk -> [N, B, S/N, h, D]
+        pieces = x.unflatten(2, (n, chunks, heads // (n * chunks)))[:, :, :, chunk].movedim(2, 0)
+        send = torch.empty(pieces.shape, dtype=x.dtype, device=x.device)  # on the caller's stream
+        recv = torch.empty_like(send) if n > 1 else None
+        side = self.pack_stream(x.device)
+        if side is None:
+            send.copy_(pieces)
+            work = None if n == 1 else dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        else:
+            # The packing copy (memory-bound) and the transfer on a side stream: they overlap the
+            # attention kernels of earlier chunks instead of preceding them on the caller's stream.
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            x.record_stream(side)  # x may be freed by the caller before the side stream reads it
+            with torch.cuda.stream(side):
+                send.copy_(pieces)
+                work = None if n == 1 else dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            if work is None:  # the caller's stream must see the copy (with a transfer, wait() orders it)
+                torch.cuda.current_stream(x.device).wait_stream(side)
+        if n == 1:
+            return PendingExchange(send, send[0], None, 1)
+        return PendingExchange(send, recv, work, 1)
+
+    def pack_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The side stream of the pipelined exchanges on a CUDA device (None on the CPU)."""
+        if device.type != "cuda":
+            return None
+        stream = self._pack_streams.get(device.index)
+        if stream is None:
+            stream = self._pack_streams[device.index] = torch.cuda.Stream(device)
+        return stream
 
     def gather_heads(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse of ``scatter_heads``: ``[B, S, H/N, D]`` -> ``[B, S/N, H, D]``."""
@@ -235,6 +330,61 @@ class PendingExchange:
         return self.recv.movedim(0, self.gather_dim).flatten(self.gather_dim, self.gather_dim + 1)
 
 
+class HeadChunkGather:
+    """The way back of a pipelined attention: each head chunk's output ``[B, S, h, D]`` is sent as
+    soon as it is computed (``send``); ``result()`` waits for all and assembles ``[B, S/N, H, D]``
+    (every rank's chunks in their head order), unpacking each chunk as soon as the next is sent."""
+
+    def __init__(self, ulysses: Ulysses, chunks: int):
+        self.ulysses, self.chunks = ulysses, chunks
+        self.out: torch.Tensor | None = None
+        self.in_flight: list[tuple[int, PendingExchange]] = []
+        self.sent: set[int] = set()
+
+    def send(self, chunk: int, x: torch.Tensor) -> None:
+        """Chunk ``chunk``'s output ``x [B, S, h, D]`` (tokens in rank-chunk order) on its way back."""
+        check_4d("x", x)
+        n, (b, seq, per_chunk, d) = self.ulysses.degree, x.shape
+        if seq % n:
+            raise InvalidArgumentError("x", f"a sequence divisible by the Ulysses degree {n}", seq)
+        if not 0 <= chunk < self.chunks or chunk in self.sent:
+            raise InvalidArgumentError("chunk", f"a chunk in [0, {self.chunks}) not sent yet", chunk)
+        if self.out is None:
+            self.out = x.new_empty(b, seq // n, n * self.chunks * per_chunk, d)
+        elif self.out.shape[2] != n * self.chunks * per_chunk or self.out.shape[0] != b:
+            raise InvalidArgumentError(
+                "x", f"[{b}, {seq}, {self.out.shape[2] // (n * self.chunks)}, {d}] like the chunks before", tuple(x.shape)
+            )
+        self.sent.add(chunk)
+        self.unpack_ready()
+        send = x.unflatten(1, (n, seq // n)).movedim(1, 0).contiguous()  # a view at B = 1
+        if n == 1:
+            self.in_flight.append((chunk, PendingExchange(send, send, None, 0)))
+            return
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self.ulysses.group, async_op=True)
+        self.in_flight.append((chunk, PendingExchange(send, recv, work, 0)))
+
+    def unpack_ready(self, keep: int = 1) -> None:
+        """Unpack all but the newest ``keep`` chunks in flight (their transfers were queued earlier)."""
+        while len(self.in_flight) > keep:
+            chunk, pending = self.in_flight.pop(0)
+            if pending.work is not None:
+                pending.work.wait()
+            n = self.ulysses.degree
+            # out heads = (rank j, chunk c, head i); recv[j] = rank j's heads of chunk c.
+            target = self.out.unflatten(2, (n, self.chunks, -1))[:, :, :, chunk]  # [B, S/N, N, h, D]
+            target.copy_(pending.recv.movedim(0, 2))
+
+    def result(self) -> torch.Tensor:
+        """``[B, S/N, H, D]`` once every chunk was sent."""
+        if len(self.sent) != self.chunks:
+            missing = sorted(set(range(self.chunks)) - self.sent)
+            raise InvalidArgumentError("HeadChunkGather", f"all {self.chunks} chunks sent", f"chunks {missing} missing")
+        self.unpack_ready(keep=0)
+        return self.out
+
+
 def check_4d(name: str, t: Any) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
         raise InvalidArgumentError(name, "a [B, S, H, D] tensor", describe_tensor(t))
@@ -271,13 +421,17 @@ def ulysses_attention(
     check_4d("q", q)
     heads = q.shape[2]
     local = ulysses.local_mask(mask, heads)
-    q_h, k_h, v_h = ulysses.scatter_heads(q, k, v)  # [B, S, H/N, D]
     runtime = runtime or Runtime()
-    result = runtime.attention(q_h, k_h, v_h, local, scale=scale, return_lse=return_lse, plan=plan)
-    if return_lse:
-        out, lse = result
+    if return_lse:  # one exchange of all heads (the log-sum-exp travels back with the output)
+        q_h, k_h, v_h = ulysses.scatter_heads(q, k, v)  # [B, S, H/N, D]
+        out, lse = runtime.attention(q_h, k_h, v_h, local, scale=scale, return_lse=True, plan=plan)
         return ulysses.gather_heads(out), ulysses.gather_lse(lse)
-    return ulysses.gather_heads(result)
+    chunks = ulysses.head_chunks(heads)
+    back = HeadChunkGather(ulysses, chunks)
+    for c, pending in enumerate(ulysses.scatter_interleaved((q, k, v), chunks)):
+        q_c, k_c, v_c = (p.wait() for p in pending)  # [B, S, H/(N C), D]
+        back.send(c, runtime.attention(q_c, k_c, v_c, ulysses.chunk_mask(local, c, chunks), scale=scale, plan=plan))
+    return back.result()
 
 
 # ====================================================================== diffusers processors
@@ -339,15 +493,91 @@ def ulysses_wan_self_attention(
         query = apply_wan_rotary(query, cos, sin)
         key = apply_wan_rotary(key, cos, sin)
 
-    pending = ulysses.scatter_heads_async(query, key, value)  # -> [B, S, H/N, D], raster order
-    query, key = (layout.to_layout(p.wait()) for p in pending[:2])
-    mask, slot = processor.video_mask(route, call, layout, query, key)  # this rank's heads; overlaps v's transfer
-    value = layout.to_layout(pending[2].wait())
-    if mask is None:
-        out = processor.dense_attention(query, key, value)
-    else:
-        out = processor.backend.attention(query, key, value, mask, slot=slot, cache=processor.cache)
-    out = ulysses.gather_heads(layout.to_raster(out))  # [B, S/N, H, D]
+    out = pipelined_video_attention(processor, query, key, value, layout, route, call)  # [B, S/N, H, D]
     out = out.flatten(2, 3).type_as(query)
     out = attn.to_out[0](out)
     return attn.to_out[1](out)
+
+
+def pipelined_video_attention(
+    processor: TesseraProcessor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: Any,
+    route: ModuleRoute,
+    call: ForwardContext,
+) -> torch.Tensor:
+    """``TesseraProcessor``'s video attention on ``[B, S/N, H, D]`` raster chunks (``layout_attention``
+    with the step cache's mask, the sparsifier and the processor's backend)."""
+    ulysses: Ulysses = processor.ulysses
+    slot = processor.kept_video_slot(route, call, layout, query.shape[0], query.shape[2] // ulysses.degree, query.device)
+    chunks = ulysses.head_chunks(query.shape[2])
+
+    def make_mask(q, k):
+        nonlocal slot
+        mask, slot = processor.new_video_mask(route, call, layout, q, k)
+        return mask
+
+    def attend(chunk, q, k, v, mask):
+        part = None if chunks == 1 else (chunk, chunks)
+        return processor.backend.attention(q, k, v, mask, slot=slot, cache=processor.cache, part=part)
+
+    return layout_attention(
+        ulysses, query, key, value, layout, attend,
+        mask=None if slot is None else slot.mask, make_mask=make_mask, dense=processor.dense_attention,
+    )  # fmt: skip
+
+
+def layout_attention(
+    ulysses: Ulysses,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: Any,
+    attend,
+    *,
+    mask: LogicalMask | None = None,
+    make_mask=None,
+    dense=None,
+) -> torch.Tensor:
+    """Attention of ``[B, S/N, H, D]`` raster chunks of q, k, v whose mask is over a token permutation
+    (``layout.to_layout`` / ``to_raster``, e.g. a sparsifier's tile order), pipelined in head chunks.
+
+    Args:
+        attend: ``attend(chunk, q, k, v, mask) -> out``, ``[B, S, h, D]`` in layout order, for one
+            head chunk of this rank's heads and its part of the mask.
+        mask: the mask of this rank's heads (or all heads, or broadcast) when known before the
+            exchange: q, k and v then travel chunk by chunk and chunk ``c`` is attended while ``c + 1``
+            is in flight.
+        make_mask: otherwise ``make_mask(q, k) -> LogicalMask | None`` on all of this rank's heads
+            ``[B, S, H/N, D]`` in layout order: all of q and k travel first, v's chunks arrive while
+            it runs. None is a dense decision, served by ``dense(q, k, v)`` on all of the rank's heads.
+
+    Returns ``[B, S/N, H, D]`` raster chunks; outputs travel back per chunk."""
+    heads = query.shape[2]
+    chunks = ulysses.head_chunks(heads)
+    if mask is not None:  # -> [B, S, h, D] per chunk, raster order
+        incoming = ulysses.scatter_interleaved((query, key, value), chunks)
+    elif make_mask is None:
+        raise InvalidArgumentError("make_mask", "a callable when no mask is given", None)
+    else:
+        q_all, k_all = ulysses.scatter_heads_async(query, key)
+        incoming = [[None, None, v_c] for v_c in ulysses.scatter_head_chunks(value, chunks)]
+        q_all, k_all = layout.to_layout(q_all.wait()), layout.to_layout(k_all.wait())
+        mask = make_mask(q_all, k_all)  # overlaps v's transfer
+        if mask is None:  # a dense decision: this rank's heads at once
+            if dense is None:
+                raise InvalidArgumentError("dense", "a callable for make_mask's dense decisions", None)
+            value = layout.to_layout(torch.cat([v_c.wait() for _, _, v_c in incoming], dim=2))
+            return ulysses.gather_heads(layout.to_raster(dense(q_all, k_all, value)))
+        per_chunk = q_all.shape[2] // chunks
+        for c, parts in enumerate(incoming):
+            rows = slice(c * per_chunk, (c + 1) * per_chunk)
+            parts[:2] = q_all[:, :, rows], k_all[:, :, rows]
+    local = ulysses.local_mask(mask, heads)
+    back = HeadChunkGather(ulysses, chunks)
+    for c, parts in enumerate(incoming):
+        q_c, k_c, v_c = (p if isinstance(p, torch.Tensor) else layout.to_layout(p.wait()) for p in parts)
+        back.send(c, layout.to_raster(attend(c, q_c, k_c, v_c, ulysses.chunk_mask(local, c, chunks))))
+    return back.result()

@@ -112,6 +112,7 @@ def test_ulysses_attention_equals_single_process(reports, mask):
         assert case["out_shape"] == [2, 100, 4, 16] and case["lse_shape"] == [2, 4, 100], rank
         assert case["out_err"] <= EXACT, (rank, case)
         assert case["lse_err"] <= EXACT and case["lse_inf_match"], (rank, case)
+        assert case["chunks1_err"] <= EXACT and case["chunks2_err"] <= EXACT, (rank, case)
 
 
 def test_ulysses_attention_local_heads_plan_reuse_and_round_trip(reports):
@@ -119,8 +120,11 @@ def test_ulysses_attention_local_heads_plan_reuse_and_round_trip(reports):
         raw = report["raw"]
         assert raw["ulysses"] == f"Ulysses(rank={rank}, degree={WORLD})"
         assert raw["local_heads_err"] <= EXACT
-        assert (raw["repeat_misses"], raw["repeat_hits"]) == (1, 1)  # the slice of one mask is planned once
+        # each of the rank's two head chunks of one mask is planned once, then reused
+        assert (raw["repeat_misses"], raw["repeat_hits"]) == (2, 2)
         assert raw["slice_is_memoized"] and raw["round_trip_exact"]
+        assert raw["chunked_round_trip_exact"] and raw["chunks_are_head_slices"]
+        assert raw["head_chunks"] == [2, 3, 2, 1]  # largest divisor of H/N (2, 6, 10, 4) up to `chunks`
         assert raw["wrong_heads_error"].startswith("MaskError: mask head dim: expected 1, 4 (all heads) or 2")
 
 
@@ -145,6 +149,19 @@ def test_wan_context_parallel_equals_single_process(reports, order, case):
         assert reports[0]["wan"][f"{order}/{case}"]["dense_calls"][0] == 2
     if case == "static_per_head":
         assert reports[0]["wan"][f"{order}/{case}"]["plan_reuses"][0] == 2  # second forward reuses the slices
+
+
+@pytest.mark.parametrize("case", ["ssta", "static_per_head"])
+def test_wan_pipelined_head_chunks_equal_single_process(reports, case):
+    for rank, report in enumerate(reports):
+        got = report["wan"][f"pipelined/{case}"]
+        assert got["chunks"] == 2, (rank, got)
+        assert max(got["errs"]) <= EXACT, (rank, got)
+        assert got["sparse_calls"][0] == got["sparse_calls"][1] == 2 * 3, (rank, got)  # 2 layers x 3 steps
+        assert got["masks_computed"] == [4, 4] and got["mask_reuses"] == [2, 2], (rank, got)  # steps 0 and 2
+        # one plan per head chunk of each mask (one process: one plan per mask); the static
+        # sparsifier hands back the same mask object at step 2, whose plans are kept
+        assert got["plan_builds"] == ([4, 2] if case == "static_per_head" else [8, 4]), (rank, got)
 
 
 def test_stock_context_parallel_baseline(reports):

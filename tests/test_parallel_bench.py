@@ -40,7 +40,8 @@ def test_cp_scaling_smoke(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["GLOO_SOCKET_IFNAME"] = "lo"
-    env["NCCL_NVLS_ENABLE"] = "1"  # the script must force it off whatever the environment says
+    env["NCCL_NVLS_ENABLE"] = "1"  # the script must force multicast off whatever the environment says
+    env["NVSHMEM_DISABLE_NVLS"] = "0"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -61,7 +62,11 @@ def test_cp_scaling_smoke(tmp_path):
     markdown = (tmp_path / "cp_scaling.md").read_text()
 
     assert report["environment"]["world"] == 2 and report["environment"]["backend"] == "gloo"
-    assert report["environment"]["forced_env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    assert report["environment"]["forced_env"] == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     attention, transformer = report["attention"], report["transformer"]
     for row in (attention["mask_reused"], attention["mask_recomputed"], attention["kernel"], transformer["forward"]):
         assert row["world"] == 2

@@ -35,7 +35,7 @@ def chunk(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
 # --------------------------------------------------------------------------- (a) the raw function
 def case_raw(rank: int, world: int) -> dict:
     from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention
-    from tessera_diffusers.parallel import Ulysses, ulysses_attention
+    from tessera_diffusers.parallel import HeadChunkGather, Ulysses, ulysses_attention
     from tessera_diffusers.testing import random_mask
 
     ulysses = Ulysses()
@@ -61,6 +61,9 @@ def case_raw(rank: int, world: int) -> dict:
             "lse_err": max_err(lse[finite], chunk(ref_lse, rank, world, 2)[finite]),
             "lse_inf_match": bool(torch.equal(torch.isfinite(lse), finite)),
         }
+        for chunks in (1, 2):  # all heads in one exchange; this rank's 2 heads pipelined one by one
+            out = ulysses_attention(*mine, mask, Ulysses(chunks=chunks), runtime=runtime)
+            report[name][f"chunks{chunks}_err"] = max_err(out, chunk(ref_out, rank, world))
     # This rank's heads given directly, and the plan of a sliced mask reused on a repeat call.
     start, stop = ulysses.head_range(heads)
     mask = masks["per_head"]
@@ -75,6 +78,15 @@ def case_raw(rank: int, world: int) -> dict:
     # All-to-all round trip and a mask with the wrong head count.
     x = torch.randn(batch, seq // world, heads, dim, generator=torch.Generator().manual_seed(10 + rank))
     report["round_trip_exact"] = bool(torch.equal(ulysses.gather_heads(ulysses.scatter_heads(x)[0]), x))
+    back = HeadChunkGather(ulysses, 2)
+    for c, pending in reversed(list(enumerate(ulysses.scatter_head_chunks(x, 2)))):  # any order back
+        back.send(c, pending.wait())
+    report["chunked_round_trip_exact"] = bool(torch.equal(back.result(), x))
+    whole = ulysses.scatter_heads(x)[0]
+    report["chunks_are_head_slices"] = all(
+        torch.equal(pending.wait(), whole[:, :, c : c + 1]) for c, pending in enumerate(ulysses.scatter_head_chunks(x, 2))
+    )
+    report["head_chunks"] = [Ulysses(chunks=c).head_chunks(h) for c, h in ((4, 4), (4, 12), (3, 20), (1, 8))]
     try:
         ulysses.local_mask(random_mask(1, 3, seq, seq, 32, 32, seed=4), heads)
         report["wrong_heads_error"] = None
@@ -156,6 +168,25 @@ def case_wan(rank: int, world: int) -> dict:
                 "plan_builds": [stats["cache"]["plan_builds"], single_stats["cache"]["plan_builds"]],
                 "plan_reuses": [stats["cache"]["plan_reuses"], single_stats["cache"]["plan_reuses"]],
             }
+    # 4 heads: this rank's 2 heads in 2 pipelined chunks; masks kept for 2 steps, so step 0 and 2
+    # take the sparsifier's path (q, k whole, v in chunks) and step 1 the kept-mask path (interleaved).
+    for name, sparsifier in (("ssta", sparsifiers(4)["ssta"]), ("static_per_head", sparsifiers(4)["static_per_head"])):
+        single = tiny_wan_transformer(heads=4)
+        single_processor = TesseraProcessor(sparsifier, recompute_every=2).attach(single)
+        expected = forwards(single, 3)
+        model = tiny_wan_transformer(heads=4)
+        processor = TesseraProcessor(sparsifier, recompute_every=2).attach(model)
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        got = forwards(model, 3)
+        stats, single_stats = processor.stats(), single_processor.stats()
+        report[f"pipelined/{name}"] = {
+            "errs": [max_err(a, b) for a, b in zip(got, expected)],
+            "chunks": processor.ulysses.head_chunks(4),
+            "masks_computed": [stats["masks_computed"], single_stats["masks_computed"]],
+            "mask_reuses": [stats["cache"]["mask_reuses"], single_stats["cache"]["mask_reuses"]],
+            "plan_builds": [stats["cache"]["plan_builds"], single_stats["cache"]["plan_builds"]],
+            "sparse_calls": [stats["sparse_calls"], single_stats["sparse_calls"]],
+        }
     # The stock processors under the same context parallelism agree as well (diffusers' own Ulysses).
     stock = tiny_wan_transformer()
     stock.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
