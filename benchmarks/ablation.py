@@ -48,7 +48,7 @@ from tessera_diffusers.bench.report import environment
 from tessera_diffusers.bench.tessera_backends import request_of
 from tessera_diffusers.bench.timing import synchronize, time_kernel, time_request
 from tessera_diffusers.plan_table import load_plan_table
-from tessera_diffusers.plans import AxisMapping, KvLayout, PhysicalPlan, Traversal
+from tessera_diffusers.plans import AxisMapping, KvLayout, PhysicalPlan, Traversal, arch_number
 from tessera_diffusers.prepare import prepare
 from tessera_diffusers.profile.runner import case_plans, profiling_kernels
 from tessera_diffusers.runtime import execute
@@ -60,12 +60,17 @@ SMOKE_FAMILIES = ("Q32K16", "Q64K64")
 
 
 def direct_plan(plans: list[PhysicalPlan]) -> PhysicalPlan | None:
-    """A0's fixed plan: direct on both axes, contiguous, LPT, no split, not persistent; the
-    smallest pipeline / warp count among those (None when the catalog has no direct tile)."""
+    """A0's fixed plan: direct on both axes, contiguous, LPT, no split, not persistent; of the
+    newest kernel family the device runs (Hopper on sm90), the smallest pipeline / warp count
+    (None when the catalog has no direct tile)."""
     direct = [p for p in plans if p.q_mapping is AxisMapping.DIRECT and p.kv_mapping is AxisMapping.DIRECT
               and p.kv_layout is KvLayout.CONTIGUOUS and p.tasks.num_splits == 1 and not p.tasks.persistent
               and p.tasks.traversal is Traversal.LONGEST_FIRST]
-    return min(direct, key=lambda p: (p.kernel.stages, p.kernel.warps, p.name)) if direct else None
+    def order(p: PhysicalPlan) -> tuple:
+        newest_first = -arch_number(p.kernel.arch) if p.kernel.arch != "any" else 0
+        return newest_first, p.kernel.stages, p.kernel.warps, p.name
+
+    return min(direct, key=order) if direct else None
 
 
 def fresh(mask: LogicalMask) -> LogicalMask:

@@ -14,6 +14,7 @@
 #   demo       tessera demo --device cuda (the README's main job on the GPU)
 #   request    benchmarks/request_breakdown.py (REQUEST_ARGS): where a cold request's time goes
 #   profile    tessera profile (PROFILE_MINUTES, PROFILE_ARGS); records and table under $OUT/profile
+#   ablation   benchmarks/ablation.py (ABLATION_ARGS, ABLATION_TIMEOUT): A0 / A1 / A2
 #   cp         torchrun benchmarks/cp_scaling.py on CP_NPROC GPUs (default: all), CP_ARGS, CP_TAG; needs 2+ GPUs
 # Logs and results go to $OUT.
 set -u
@@ -73,7 +74,12 @@ for STEP in "${@:-tests}"; do
       timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/baseline_probe.py --out "$OUT/probe" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" | tail -30 ;;
     request)
       timeout ${REQUEST_TIMEOUT:-240} python3 benchmarks/request_breakdown.py --out "$OUT/request_breakdown.json" \
-        ${REQUEST_ARGS:-} 2>&1 | tee "$OUT/request.log" | tail -30 ;;
+        ${REQUEST_ARGS:-} 2>&1 | tee "$OUT/request.log" | tail -30
+      if [ -d "$OUT/request_profile" ]; then (cd "$OUT" && tar czf request_profile.tgz request_profile && rm -rf request_profile); fi ;;
+    ablation)
+      timeout ${ABLATION_TIMEOUT:-420} python3 benchmarks/ablation.py --out "$OUT/ablation" ${ABLATION_ARGS:-} \
+        2>&1 | tee "$OUT/ablation.log" | tail -30
+      (cd "$OUT" && tar czf ablation.tgz ablation && rm -rf ablation) ;;
     cp)
       NPROC=${CP_NPROC:-$(nvidia-smi -L | wc -l)}
       nvidia-smi topo -m > "$OUT/topology.txt" 2>&1; head -5 "$OUT/topology.txt"

@@ -228,7 +228,7 @@ def count_ops(setup: Setup, mask: LogicalMask, q, k, v, scale: float) -> dict:
 
 
 def run_family(setup: Setup, family: str, grid: LatentGrid, heads: int, head_dim: int, dtype: torch.dtype,
-               reps: int, kernel_reps: int, warmup: int, input_sets: int) -> dict:
+               reps: int, kernel_reps: int, warmup: int, input_sets: int, profile_dir: Path | None = None) -> dict:
     device = setup.device
     case = next(enumerate_cases("evaluation", families=[family], grids=[grid], heads=heads, seeds_per_combo=1))
     mask = case.build(device)
@@ -283,6 +283,9 @@ def run_family(setup: Setup, family: str, grid: LatentGrid, heads: int, head_dim
     kept = [bracket(partial(setup.complete, fresh_mask(mask.blocks, mask), q, k, v, scale, kept_selector))[1]
             for _ in range(reps)]
 
+    if profile_dir is not None:
+        profile_kept_requests(setup, mask, q, k, v, scale, kept_selector, profile_dir / family)
+
     kernel = time_kernel(setup, prepared, inputs, scale, kernel_reps, warmup)
     relaunch = setup.launch(prepared, q, k, v, scale)
     stages = {s: median_of(samples[s]) for s in STAGES}
@@ -313,6 +316,41 @@ def run_family(setup: Setup, family: str, grid: LatentGrid, heads: int, head_dim
         "samples": {**samples, "complete": complete, "complete_kept_selector": kept},
     }
     return result
+
+
+def profile_kept_requests(setup: Setup, mask: LogicalMask, q, k, v, scale: float, selector: Selector,
+                          out: Path, requests: int = 40) -> None:
+    """Where the host time of a kept selector's complete request goes (cProfile over ``requests``
+    new masks) and what runs on the device (torch.profiler over 10): ``out``_host.txt / _device.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    masks = [fresh_mask(mask.blocks, mask) for _ in range(requests)]
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize(setup.device) if setup.device.type == "cuda" else None
+    profiler.enable()
+    for m in masks:
+        setup.complete(m, q, k, v, scale, selector)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    text.write(f"{requests} complete requests of new masks, kept selector; times are totals over them\n")
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    out.with_name(out.name + "_host.txt").write_text(text.getvalue())
+    if setup.device.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    masks = [fresh_mask(mask.blocks, mask) for _ in range(10)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for m in masks:
+            setup.complete(m, q, k, v, scale, selector)
+        torch.cuda.synchronize(setup.device)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    out.with_name(out.name + "_device.txt").write_text("10 complete requests, kept selector\n" + table)
 
 
 def time_kernel(setup: Setup, prepared: PreparedPlan, inputs: list, scale: float, reps: int, warmup: int) -> float:
@@ -388,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", default=None,
                         help="a plan table file, or 'none' for the cost model (default: the shipped table)")
     parser.add_argument("--out", type=Path, required=True, help="JSON results")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="directory for cProfile / torch.profiler tables of kept-selector requests")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -402,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     for family in [f for f in args.families.split(",") if f]:
         t0 = time.perf_counter()
         results[family] = run_family(setup, family, grid, args.heads, args.head_dim, DTYPES[args.dtype], reps,
-                                     kernel_reps, args.warmup if cuda else 1, 3 if cuda else 1)
+                                     kernel_reps, args.warmup if cuda else 1, 3 if cuda else 1, args.profile)
         print(f"{family}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print_table(results, cuda)
     env = {

@@ -98,6 +98,51 @@ def estimate_many(plans: Sequence[PhysicalPlan], req: Request, stats: dict[str, 
     return out
 
 
+class PlanEstimator:
+    """``estimate_many`` of one fixed list of plans for one request, bit for bit, on the selector's
+    hot path (a mixed regime's contenders on every new mask): everything that does not depend on
+    the mask (tile rates, geometry, split-K cost) is worked out once, and a call only reads the
+    host statistic vector (``MaskState.host_stat_values``) and the row-union ratios of
+    ``union_rows`` (``MaskState.row_union_ratios``)."""
+
+    def __init__(self, plans: Sequence[PhysicalPlan], req: Request, rates: DeviceRates = H200):
+        self.union_rows = tuple(sorted({max(1, p.tile_q // req.block_q) for p in plans} - {1}))
+        self.area = (req.seq_len_q, req.seq_len_kv, req.batch * req.heads)
+        self.head_dim, self.block_kv, self.rates = req.head_dim, req.block_kv, rates
+        groups: dict = {}
+        self.groups: list[tuple] = []  # per tile-work group: (q_rows, packed, tile_q, tile_kv, rate)
+        self.plans: list[tuple[int, float]] = []  # per plan: (group, split-K ms)
+        for plan in plans:
+            key = (plan.block_q, plan.block_kv, plan.kv_layout, plan.kernel)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = len(self.groups)
+                rate = tile_rate(plan.kernel.family, plan.tile_q, plan.tile_kv, plan.kernel.warps) * rates.rate_scale
+                if {plan.q_mapping, plan.kv_mapping} & {AxisMapping.COARSENED, AxisMapping.PACKED, AxisMapping.REGRIDDED}:
+                    rate /= MASKED_TILE_SLOWDOWN.get(plan.kernel.family, 1.2)
+                self.groups.append((max(1, plan.tile_q // req.block_q), plan.kv_layout is KvLayout.PACKED,
+                                    plan.tile_q, plan.tile_kv, rate))
+            self.plans.append((group, split_merge_ms(plan, req, rates)))
+
+    def __call__(self, values: Sequence[float], unions: dict[int, float]) -> list[float]:
+        """Predicted milliseconds of every plan, in order, from the ``Stat`` vector ``values`` and
+        ``unions[r]`` for ``r`` in ``union_rows`` (what ``tile_work_ms`` reads as ``row_union_r``)."""
+        density, mean_run, overlap = values[Stat.DENSITY], values[Stat.MEAN_RUN_LENGTH], values[Stat.ROW_OVERLAP]
+        seq_q, seq_kv, bh = self.area
+        area = density * seq_q * seq_kv * bh
+        rates, head_dim = self.rates, self.head_dim
+        work = []
+        for q_rows, packed, tile_q, tile_kv, rate in self.groups:  # the arithmetic of tile_work_ms, in its order
+            kv_waste = 1.0 if packed else coarsening_waste(self.block_kv, tile_kv, mean_run)
+            q_waste = unions.get(q_rows) or 1.0 + (q_rows - 1) * (1.0 - overlap)
+            computed = area * q_waste * kv_waste
+            math_ms = 4.0 * head_dim * computed / (rate * 1e12) * 1e3
+            tiles = computed / (tile_q * tile_kv)
+            mem_ms = tiles * tile_kv * head_dim * 2 * 2 / (rates.l2_bandwidth_gbs * 1e9) * 1e3
+            work.append(max(math_ms, mem_ms) + max(1.0, tiles / rates.num_sms) * rates.tile_overhead_us * 1e-3)
+        return [work[group] + split for group, split in self.plans]
+
+
 def tile_work_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rates: DeviceRates = H200) -> float:
     """The tiles' part of ``estimate_ms``: roofline time of the computed area plus per-tile overhead
     (depends on the plan's geometry, layout and kernel, not on its task organization)."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from .catalog import all_kernels, plans_for
-from .cost_model import estimate_many, row_union_stats
+from .cost_model import PlanEstimator
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
@@ -103,9 +103,10 @@ class RequestEntry:
     last_regime: int | None = None  # the regime the previous request of this entry fell in
     cost_model_choice: Selection | None = None  # the previous cost-model decision (for reuse_regime)
     arbitrated: dict = field(default_factory=dict)  # regime index -> the last mixed-regime decision
-    contenders: dict = field(default_factory=dict)  # regime index -> its eligible contenders and their names
+    contenders: dict = field(default_factory=dict)  # regime index -> its eligible contenders, names, estimator
     eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
     eligible_names: tuple[str, ...] = ()
+    estimator: PlanEstimator | None = None  # the cost model over ``eligible``
     rejected: tuple[tuple[str, str], ...] = ()
 
 
@@ -335,12 +336,12 @@ class Selector:
         cached = entry.contenders.get(index)
         if cached is None:  # once per (request, regime)
             names = [name for name in regime.contenders if rejection(entry.plans[name], request) is None]
-            cached = entry.contenders[index] = ([entry.plans[name] for name in names], names)
-        eligible, names = cached
+            eligible = [entry.plans[name] for name in names]
+            cached = entry.contenders[index] = (eligible, names, PlanEstimator(eligible, request))
+        eligible, names, estimator = cached
         if not eligible:
             return selection
-        stats = state.host_stats() | row_union_stats(eligible, request.block_q, state)
-        estimates = estimate_many(eligible, request, stats)
+        estimates = estimate_with(estimator, state)
         order = sorted(range(len(eligible)), key=estimates.__getitem__)
         note = (f"mixed regime (first plan's GM regret {regime.fit_regret:.3f} on its cases): the cost model "
                 f"chose among its {len(eligible)} eligible contenders")
@@ -357,14 +358,21 @@ class Selector:
         if entry.eligible is None:
             catalog = catalog_plans(request, self.context(request.arch).kernels)
             entry.eligible, entry.eligible_names, entry.rejected = catalog
+            entry.estimator = PlanEstimator(entry.eligible, request)
         if not entry.eligible:
             rejected = entry.rejected or (("native", notes[-1] if notes else "no plans"),)
             return Selection(request, (), rejected, None, "cost model", None, notes)
-        stats = state.host_stats() | row_union_stats(entry.eligible, request.block_q, state)
-        estimates = estimate_many(entry.eligible, request, stats)
+        estimates = estimate_with(entry.estimator, state)
         order = sorted(range(len(estimates)), key=estimates.__getitem__)  # stable: ties keep catalog order
         ranking = tuple((entry.eligible_names[i], estimates[i]) for i in order)
         return Selection(request, ranking, entry.rejected, entry.eligible[order[0]], "cost model", None, notes)
+
+
+def estimate_with(estimator: PlanEstimator, state: MaskState) -> list[float]:
+    """The estimator's predictions on the statistics of ``state`` (one host read, kept by the state;
+    the row-union ratios the estimator's tiles need come with it)."""
+    values = state.host_stat_values
+    return estimator(values, state.row_union_ratios(estimator.union_rows) if estimator.union_rows else {})
 
 
 def warn_user(message: str) -> None:

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, prepare
 from tessera_diffusers.catalog import all_kernels, plans_for, reference_kernel
-from tessera_diffusers.cost_model import estimate_many, estimate_ms
+from tessera_diffusers.cost_model import ROW_UNION_KEY, PlanEstimator, estimate_many, estimate_ms
+from tessera_diffusers.mask_state import Stat
 from tessera_diffusers.plans import Request
 from tessera_diffusers.testing import random_mask
 
@@ -86,6 +87,20 @@ def test_prepared_runs_are_computed_on_first_access():
     prepared = prepare(plan, build_mask_state(mask))
     assert prepared.run_counts.shape == prepared.tile_counts.shape
     assert prepared.run_starts is prepared.run_starts
+
+
+def test_plan_estimator_equals_estimate_many_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    for bq, bkv in ((16, 16), (32, 16), (64, 64), (128, 64), (384, 384)):
+        req = Request(1, 24, 32768, 32768, 128, "bf16", bq, bkv, "sm90")
+        plans = plans_for(bq, bkv, all_kernels())
+        estimator = PlanEstimator(plans, req)
+        assert estimator.union_rows == tuple(sorted({max(1, p.tile_q // bq) for p in plans} - {1}))
+        for trial in range(20):
+            values = tuple(float(x) for x in torch.rand(len(Stat), generator=gen) * 4)
+            unions = {r: 1.0 + float(torch.rand(1, generator=gen)) for r in estimator.union_rows if trial % 3}
+            stats = {s.name.lower(): values[s] for s in Stat} | {f"{ROW_UNION_KEY}{r}": u for r, u in unions.items()}
+            assert estimator(values, unions) == estimate_many(plans, req, stats), (bq, bkv, trial)
 
 
 def test_estimate_many_equals_estimate_ms():
