@@ -323,6 +323,7 @@ def run_native(
         raise InvalidArgumentError("q", f"dtype {spec.dtype} and head_dim {spec.head_dim} for {spec.name}",
                                    f"{q.dtype}, head_dim {q.shape[-1]}")
     if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor for t in (q, k, v)):
+        prepared.pin()  # a compiled graph may keep the metadata pointers
         out, lse = torch.ops.tessera.sparse_attention_fwd(
             q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
             spec.name, prepared.launch_config(), scale,
@@ -337,6 +338,8 @@ def run_direct(prepared, q, k, v, scale, return_lse):
     key = (q.shape, q.stride(), k.shape[1], k.stride(), v.stride(), q.dtype, q.device, scale)
     templates = prepared.__dict__.setdefault("_launch_templates", {})
     template = templates.get(key)
+    if "_pending_capacity" in prepared.__dict__ and torch.cuda.is_current_stream_capturing():
+        prepared.pin()  # the graph replays these metadata pointers: settle() must never move them
     out, lse, workspace = output_buffers(q, prepared.plan.tasks.num_splits, return_lse)
     if template is None:
         metadata = (prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order)

@@ -137,6 +137,60 @@ class PreparedPlan:
             int(plan.tasks.persistent),
         ]
 
+    # ------------------------------------------------------------------ deferred compaction
+    def defer_compaction(self) -> None:
+        """Queue a read of the longest tile list behind the metadata's writes (device -> pinned
+        host memory, an event after it) so that ``settle`` can trim ``cap`` later without a sync."""
+        longest = self.tile_counts.amax() if self.tile_counts.numel() else self.tile_counts.new_zeros(())
+        if longest.device.type != "cuda":
+            self.__dict__["_pending_capacity"] = (longest, None, None)
+            return
+        host = torch.empty((), dtype=longest.dtype, pin_memory=True)
+        host.copy_(longest, non_blocking=True)
+        stream = torch.cuda.current_stream(longest.device)
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.__dict__["_pending_capacity"] = (host, event, stream)
+
+    def settle(self) -> bool:
+        """Trim the metadata to ``cap`` = the longest tile list once its deferred read has landed:
+        the same tensors ``compact=True`` gives, bit for bit (what lies past a tile list is
+        padding). Never blocks: False while the read is in flight, on another stream than the one
+        the metadata was written on, during CUDA-graph capture, or for a plan that was launched
+        under capture or ``torch.compile`` (``pin``: its pointers must stay valid)."""
+        pending = self.__dict__.get("_pending_capacity")
+        if pending is None or self.__dict__.get("_pinned"):
+            return False
+        longest, event, stream = pending
+        if event is not None and (
+            torch.cuda.is_current_stream_capturing()
+            or torch.cuda.current_stream(stream.device) != stream
+            or not event.query()
+        ):
+            return False
+        del self.__dict__["_pending_capacity"]
+        cap = max(1, int(longest))
+        if cap >= self.capacity:
+            return True
+        # New allocations (the old metadata is one buffer that the views below would keep alive);
+        # freed buffers return to the caching allocator in stream order, after the kernels that read them.
+        object.__setattr__(self, "tile_slots", self.tile_slots[..., :cap, :].contiguous())
+        object.__setattr__(self, "tile_member", self.tile_member[..., :cap].contiguous())
+        object.__setattr__(self, "tile_counts", self.tile_counts.clone())
+        object.__setattr__(self, "q_order", self.q_order.clone())
+        object.__setattr__(self, "capacity", cap)
+        self.__dict__.pop("_launch_templates", None)
+        return True
+
+    def pin(self) -> None:
+        """Keep the metadata tensors as they are for good (``settle`` does nothing): a CUDA graph or
+        a compiled graph has their pointers."""
+        self.__dict__["_pinned"] = True
+
+    @property
+    def compaction_pending(self) -> bool:
+        return "_pending_capacity" in self.__dict__ and not self.__dict__.get("_pinned", False)
+
     def computed_fraction(self) -> torch.Tensor:
         """Scheduled tile area over the full (Sq x Skv) grid, per mask (b, h): the work the plan
         pays for, including masked-out entries inside coarsened / packed tiles. ``[Bm, Hm]``."""
@@ -146,8 +200,13 @@ class PreparedPlan:
 
 # The native path skips the compacting sync when the worst-case metadata is at most this large:
 # writing it costs the GPU microseconds, while a host read stalls the request until every kernel
-# queued before it has finished (Q128K128 at 32k tokens x 24 heads: 19 MB; Q16K16 there: 63 MB).
-SYNC_FREE_METADATA_BYTES = 64 << 20
+# queued before it has finished, and the GPU waits for the host's work after it (Q128K128 at 32k
+# tokens x 24 heads: 19 MB; Q16K16 there: 63 MB; Q64K64: 75 MB; Wan2.1 720p, 40 heads, Q64K64:
+# 670 MB, which compacts). Above DEFERRED_COMPACTION_BYTES such a plan trims itself to the compact
+# size at its first reuse after the longest count has reached the host (``PreparedPlan.settle``),
+# so a kept plan holds the worst case only until then.
+SYNC_FREE_METADATA_BYTES = 128 << 20
+DEFERRED_COMPACTION_BYTES = 8 << 20
 
 
 def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -> PreparedPlan:
@@ -156,7 +215,8 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -
     ``compact=True`` trims ``cap`` to the longest tile list of any query tile, which costs one host
     sync (a scalar) and shrinks the metadata by the inverse density; ``compact=False`` keeps the
     worst-case capacity and never syncs (for capture in a CUDA graph). ``None`` (the default)
-    compacts unless the native path can write the worst case within ``SYNC_FREE_METADATA_BYTES``.
+    compacts unless the native path can write the worst case within ``SYNC_FREE_METADATA_BYTES``;
+    a worst case above ``DEFERRED_COMPACTION_BYTES`` is then trimmed at a later reuse (``settle``).
 
     On CUDA, the native library builds the same metadata in a few launches from one or two ctypes
     calls (``native_prepare.prepare_native``; ``TESSERA_NATIVE_PREPARE=0`` turns it off). The torch
@@ -164,11 +224,15 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -
     so that the one sync of ``compact`` waits on little work, everything after it sized by the
     trimmed capacity."""
     native = native_path(state.mask.blocks.device)
+    defer = False
     if compact is None:
-        compact = native is None or worst_case_metadata_bytes(plan, state.mask) > SYNC_FREE_METADATA_BYTES
-    if native is not None:
-        return native.prepare_native(plan, state, compact)
-    return prepare_torch(plan, state, compact)
+        worst = worst_case_metadata_bytes(plan, state.mask)
+        compact = native is None or worst > SYNC_FREE_METADATA_BYTES
+        defer = not compact and worst > DEFERRED_COMPACTION_BYTES
+    prepared = native.prepare_native(plan, state, compact) if native is not None else prepare_torch(plan, state, compact)
+    if defer:
+        prepared.defer_compaction()
+    return prepared
 
 
 def worst_case_metadata_bytes(plan: PhysicalPlan, mask: LogicalMask) -> int:

@@ -90,6 +90,8 @@ class Runtime:
         entry = self._cache.get(key)
         if entry is not None and entry[0]() is mask:
             self.hits += 1
+            if entry[1] is not None:
+                entry[1].settle()  # a worst-case plan takes its compact size once the count is on the host
             return entry[1]
         self.misses += 1
         state = build_mask_state(mask)

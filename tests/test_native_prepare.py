@@ -473,3 +473,36 @@ def test_default_compaction_policy():
     assert worst_case_metadata_bytes(plan, mask) == 3 * n_qt * cap * (8 + 4 * 4)
     state = build_mask_state(mask)
     assert prepare(plan, state).capacity == prepare(plan, state, compact=True).capacity < cap
+
+
+def test_deferred_compaction_settles_to_the_compact_metadata():
+    """A worst-case plan trimmed by ``settle`` equals ``compact=True`` bit for bit, runs the same,
+    and a pinned plan (captured / compiled) keeps its tensors."""
+    from tessera_diffusers.catalog import reference_kernel
+    from tessera_diffusers.executor import run_prepared
+    from tessera_diffusers.prepare import prepare_torch
+    from tessera_diffusers.testing import metadata_difference, random_mask
+
+    mask = random_mask(2, 3, 1000, 1100, 64, 32, density=0.2, seed=5)
+    state = build_mask_state(mask)
+    for layout in (KvLayout.PACKED, KvLayout.CONTIGUOUS):
+        plan = PhysicalPlan(64, 32, layout, TaskOrganization(), reference_kernel(16, "fp32", 128, 128))
+        compact = prepare_torch(plan, state, compact=True)
+        worst = prepare_torch(plan, state, compact=False)
+        assert worst.capacity > compact.capacity and not worst.compaction_pending
+        assert not worst.settle()  # nothing deferred
+        worst.defer_compaction()
+        assert worst.compaction_pending
+        q, k, v = (torch.randn(2, n, 3, 16, generator=torch.Generator().manual_seed(i)) for i, n in
+                   enumerate((1000, 1100, 1100)))
+        before = run_prepared(worst, q, k, v, 0.25)
+        assert worst.settle() and not worst.compaction_pending and not worst.settle()
+        assert worst.capacity == compact.capacity
+        assert metadata_difference(worst, compact) is None, layout
+        assert torch.equal(run_prepared(worst, q, k, v, 0.25), before)
+
+        pinned = prepare_torch(plan, state, compact=False)
+        pinned.defer_compaction()
+        pinned.pin()
+        slots = pinned.tile_slots
+        assert not pinned.compaction_pending and not pinned.settle() and pinned.tile_slots is slots

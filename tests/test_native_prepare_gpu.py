@@ -146,8 +146,11 @@ def test_native_paths_launch_no_torch_kernels():
     state = build_mask_state(mask)
     plan = PhysicalPlan(64, 64, KvLayout.PACKED, TaskOrganization(), reference_kernel(128, "bf16", 128, 128))
     with OpCounter() as compact:
-        prepare(plan, state)
+        prepare(plan, state, compact=True)
     assert compact.others == ["aten.empty.memory_format"] * 2, compact.others
+    with OpCounter() as auto:  # 1.6 MB of worst case: sync-free, nothing deferred
+        prepare(plan, state)
+    assert auto.others == ["aten.empty.memory_format"], auto.others
     with OpCounter() as capturable:
         prepare(plan, state, compact=False)
     assert capturable.others == ["aten.empty.memory_format"], capturable.others
@@ -242,3 +245,41 @@ def test_invalid_parameters_are_refused():
     assert handle.tessera_prepare_counts(ctypes.byref(q), None, stream) == CUDA_INVALID_VALUE
     q.q_unit = q.kv_unit = 32  # now valid
     assert handle.tessera_prepare_counts(ctypes.byref(q), None, stream) == 0
+
+
+def test_auto_prepare_defers_compaction_and_settles_on_reuse():
+    """Between DEFERRED_COMPACTION_BYTES and SYNC_FREE_METADATA_BYTES of worst case, ``prepare``
+    writes the worst case without a sync; the plan takes the compact metadata (bit for bit) at a
+    reuse once the count is on the host, and the Runtime's output does not change."""
+    from tessera_diffusers import Runtime
+    from tessera_diffusers.prepare import DEFERRED_COMPACTION_BYTES, SYNC_FREE_METADATA_BYTES, worst_case_metadata_bytes
+
+    device = torch.device("cuda")
+    mask = random_mask(1, 24, 16384, 16384, 64, 64, density=0.1, seed=7, device=device)
+    state = build_mask_state(mask)
+    plan = PhysicalPlan(64, 64, KvLayout.CONTIGUOUS, TaskOrganization(), reference_kernel(128, "bf16", 64, 64))
+    assert DEFERRED_COMPACTION_BYTES < worst_case_metadata_bytes(plan, mask) <= SYNC_FREE_METADATA_BYTES
+    prepared = prepare(plan, state)
+    assert prepared.compaction_pending and prepared.capacity == 16384 // 64
+    torch.cuda.synchronize()
+    assert prepared.settle() and not prepared.compaction_pending
+    assert metadata_difference(prepared, prepare(plan, state, compact=True)) is None
+
+    runtime = Runtime()
+    q, k, v = (torch.randn(1, 16384, 24, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
+    first = runtime.attention(q, k, v, mask)
+    (entry,) = runtime._cache.values()
+    kept = entry[1]
+    if kept.plan.kernel.family.value == "reference":
+        pytest.skip("no native plan for this request")
+    torch.cuda.synchronize()
+    was_pending, worst_cap = kept.compaction_pending, kept.capacity
+    second = runtime.attention(q, k, v, mask)  # a hit: settles
+    assert was_pending and not kept.compaction_pending and kept.capacity < worst_cap
+    assert torch.equal(first, second)
+
+    captured = prepare(plan, state)  # a plan launched under capture is pinned
+    captured.pin()
+    slots = captured.tile_slots
+    torch.cuda.synchronize()
+    assert not captured.settle() and captured.tile_slots is slots
