@@ -338,7 +338,8 @@ def run_direct(prepared, q, k, v, scale, return_lse):
     key = (q.shape, q.stride(), k.shape[1], k.stride(), v.stride(), q.dtype, q.device, scale)
     templates = prepared.__dict__.setdefault("_launch_templates", {})
     template = templates.get(key)
-    if "_pending_capacity" in prepared.__dict__ and torch.cuda.is_current_stream_capturing():
+    deferred = "_pending_capacity" in prepared.__dict__ or "_defer_after_launch" in prepared.__dict__
+    if deferred and torch.cuda.is_current_stream_capturing():
         prepared.pin()  # the graph replays these metadata pointers: settle() must never move them
     out, lse, workspace = output_buffers(q, prepared.plan.tasks.num_splits, return_lse)
     if template is None:
@@ -349,4 +350,6 @@ def run_direct(prepared, q, k, v, scale, return_lse):
         )
     p, m = template.fill(q, k, v, out, lse, workspace)
     launch_filled(template, p, m, q.device)
+    if deferred:
+        prepared.after_launch()
     return (out, lse) if return_lse else out

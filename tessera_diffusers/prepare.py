@@ -141,6 +141,7 @@ class PreparedPlan:
     def defer_compaction(self) -> None:
         """Queue a read of the longest tile list behind the metadata's writes (device -> pinned
         host memory, an event after it) so that ``settle`` can trim ``cap`` later without a sync."""
+        self.__dict__.pop("_defer_after_launch", None)
         longest = self.tile_counts.amax() if self.tile_counts.numel() else self.tile_counts.new_zeros(())
         if longest.device.type != "cuda":
             self.__dict__["_pending_capacity"] = (longest, None, None)
@@ -186,10 +187,18 @@ class PreparedPlan:
         """Keep the metadata tensors as they are for good (``settle`` does nothing): a CUDA graph or
         a compiled graph has their pointers."""
         self.__dict__["_pinned"] = True
+        self.__dict__.pop("_defer_after_launch", None)
+
+    def after_launch(self) -> None:
+        """Called by a launcher after the plan's kernel is queued: a compaction ``prepare`` deferred
+        starts here (its host ops overlap the kernel instead of delaying its launch)."""
+        if self.__dict__.get("_defer_after_launch"):
+            self.defer_compaction()
 
     @property
     def compaction_pending(self) -> bool:
-        return "_pending_capacity" in self.__dict__ and not self.__dict__.get("_pinned", False)
+        d = self.__dict__
+        return ("_pending_capacity" in d or "_defer_after_launch" in d) and not d.get("_pinned", False)
 
     def computed_fraction(self) -> torch.Tensor:
         """Scheduled tile area over the full (Sq x Skv) grid, per mask (b, h): the work the plan
@@ -230,8 +239,8 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -
         compact = native is None or worst > SYNC_FREE_METADATA_BYTES
         defer = not compact and worst > DEFERRED_COMPACTION_BYTES
     prepared = native.prepare_native(plan, state, compact) if native is not None else prepare_torch(plan, state, compact)
-    if defer:
-        prepared.defer_compaction()
+    if defer:  # queued by the first launch, after it (its host ops stay off the request's path)
+        prepared.__dict__["_defer_after_launch"] = True
     return prepared
 
 

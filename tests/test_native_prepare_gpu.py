@@ -120,10 +120,10 @@ def test_prepare_takes_the_native_path_on_cuda(monkeypatch):
     def one_storage(prepared) -> bool:  # the native path's tensors are views of one allocation
         return prepared.tile_slots.untyped_storage().data_ptr() == prepared.tile_member.untyped_storage().data_ptr()
 
-    native = prepare(plan, state)
+    native = prepare(plan, state, compact=True)
     assert one_storage(native)
     monkeypatch.setenv(native_prepare.NATIVE_PREPARE_ENV, "0")
-    oracle = prepare(plan, state)
+    oracle = prepare(plan, state, compact=True)
     assert not one_storage(oracle)
     assert metadata_difference(native, oracle) is None
 
@@ -261,6 +261,9 @@ def test_auto_prepare_defers_compaction_and_settles_on_reuse():
     assert DEFERRED_COMPACTION_BYTES < worst_case_metadata_bytes(plan, mask) <= SYNC_FREE_METADATA_BYTES
     prepared = prepare(plan, state)
     assert prepared.compaction_pending and prepared.capacity == 16384 // 64
+    torch.cuda.synchronize()
+    assert not prepared.settle()  # the count's read is queued by the first launch
+    prepared.after_launch()
     torch.cuda.synchronize()
     assert prepared.settle() and not prepared.compaction_pending
     assert metadata_difference(prepared, prepare(plan, state, compact=True)) is None
