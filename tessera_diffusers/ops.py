@@ -323,7 +323,6 @@ def run_native(
         raise InvalidArgumentError("q", f"dtype {spec.dtype} and head_dim {spec.head_dim} for {spec.name}",
                                    f"{q.dtype}, head_dim {q.shape[-1]}")
     if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor for t in (q, k, v)):
-        prepared.pin()  # a compiled graph may keep the metadata pointers
         out, lse = torch.ops.tessera.sparse_attention_fwd(
             q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
             spec.name, prepared.launch_config(), scale,
