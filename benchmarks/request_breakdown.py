@@ -287,6 +287,7 @@ def run_family(setup: Setup, family: str, grid: LatentGrid, heads: int, head_dim
         profile_kept_requests(setup, mask, q, k, v, scale, kept_selector, profile_dir / family)
 
     kernel = time_kernel(setup, prepared, inputs, scale, kernel_reps, warmup)
+    after_prepare = time_after_prepare(setup, mask, plan, q, k, v, scale, reps)
     relaunch = setup.launch(prepared, q, k, v, scale)
     stages = {s: median_of(samples[s]) for s in STAGES}
     used = [s for s in STAGES if s != "stats" or stats_in_request]
@@ -305,6 +306,9 @@ def run_family(setup: Setup, family: str, grid: LatentGrid, heads: int, head_dim
         "stage_sum_host_ms": sum(stages[s]["host_ms"] for s in used),
         "complete": complete_med,
         "kernel_ms": kernel,
+        # the kernel alone (events around its launch only) right behind a fresh preparation of a
+        # new mask (no sync between), and behind a sync: the same plan in a complete request's place
+        "kernel_after_prepare_ms": after_prepare,
         "kernel_timer": timer,
         "ratio_host": complete_med["host_ms"] / kernel,
         "ratio_event": complete_med["event_ms"] / kernel if complete_med["event_ms"] is not None else None,
@@ -351,6 +355,28 @@ def profile_kept_requests(setup: Setup, mask: LogicalMask, q, k, v, scale: float
         torch.cuda.synchronize(setup.device)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     out.with_name(out.name + "_device.txt").write_text("10 complete requests, kept selector\n" + table)
+
+
+def time_after_prepare(setup: Setup, mask: LogicalMask, plan: PhysicalPlan, q, k, v, scale: float,
+                       reps: int) -> dict | None:
+    """Median CUDA-event time of the launch alone, (a) queued right behind ``prepare`` of a new mask
+    (its kernels run just before it) and (b) behind a sync after that preparation."""
+    if setup.device.type != "cuda":
+        return None
+    behind, synced = [], []
+    for _ in range(reps):
+        for samples, sync_first in ((behind, False), (synced, True)):
+            torch.cuda.synchronize(setup.device)
+            prepared = prepare(plan, build_mask_state(fresh_mask(mask.blocks, mask)))
+            if sync_first:
+                torch.cuda.synchronize(setup.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            setup.launch(prepared, q, k, v, scale)
+            end.record()
+            end.synchronize()
+            samples.append(float(start.elapsed_time(end)))
+    return {"behind_prepare": statistics.median(behind), "after_sync": statistics.median(synced)}
 
 
 def time_kernel(setup: Setup, prepared: PreparedPlan, inputs: list, scale: float, reps: int, warmup: int) -> float:
@@ -400,6 +426,10 @@ def print_table(results: dict, cuda: bool) -> None:
         kept = r["complete_kept_selector"]["host_ms"]
         print(f"{'':<9} {'kept':<7} complete request of a new mask with a kept Selector(reuse_regime=True): "
               f"{kept:.3f} ms host, ratio {kept / r['kernel_ms']:.3f}")
+        after = r.get("kernel_after_prepare_ms")
+        if after:
+            print(f"{'':<9} {'kernel':<7} launch alone right behind a new mask's preparation {after['behind_prepare']:.3f} ms, "
+                  f"after a sync {after['after_sync']:.3f} ms (back to back: {r['kernel_ms']:.3f})")
         ops = r["ops"]
         if "error" in ops:
             print(f"{'':<9} {'ops':<7} not counted ({ops['error']})")
