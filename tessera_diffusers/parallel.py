@@ -224,11 +224,7 @@ class Ulysses:
         """``x [B, S/N, H, D]`` -> one exchange per head chunk ``c``, each arriving as ``[B, S, H/(N C), D]``:
         this rank's heads ``[c H/(N C), (c + 1) H/(N C))`` of its ``H/N``. Issued in chunk order;
         chunks of several tensors interleave when called chunk by chunk (``scatter_interleaved``)."""
-        check_4d("x", x)
-        start, stop = self.head_range(x.shape[2])
-        if (stop - start) % chunks:
-            raise InvalidArgumentError("chunks", f"a divisor of this rank's {stop - start} heads", chunks)
-        return [self.exchange_chunk(x, c, chunks) for c in range(chunks)]
+        return [pending for (pending,) in self.scatter_interleaved((x,), chunks)]
 
     def scatter_interleaved(self, tensors: Sequence[torch.Tensor], chunks: int) -> list[list[PendingExchange]]:
         """``scatter_head_chunks`` of several tensors, issued chunk by chunk (``q_0, k_0, v_0, q_1, ...``)
