@@ -259,8 +259,9 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
             return sparsifier(ql, kl, layer=0, step=0, grid=problem.grid)
 
         return layout_attention(
-            ulysses, q_loc, k_loc, v_loc, layout, attend, mask=None if recompute else local, make_mask=make_mask
-        )
+            ulysses, q_loc, k_loc, v_loc, layout, attend, mask=None if recompute else local, make_mask=make_mask,
+            separable=sparsifier.head_separable,  # SSTA: run per head chunk as it arrives
+        )  # fmt: skip
 
     reps, warmup = args.reps, args.warmup
     report: dict = {"mask_density": mask.density(), "mask": repr(mask).split("\n")[0], "chunks": {}}

@@ -352,10 +352,17 @@ class TesseraProcessor:
         mask = self.sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
         if mask is not None and self.ulysses is not None:  # q holds this rank's heads only
             mask = self.ulysses.local_mask(mask, q.shape[2] * self.ulysses.degree)
+        return self.keep_video_mask(route, call, layout, mask, q.shape[0], q.shape[2], q.device)
+
+    def keep_video_mask(
+        self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, mask: LogicalMask | None,
+        batch: int, heads: int, device,
+    ) -> tuple[LogicalMask | None, CacheSlot]:
+        """Check a new mask for ``batch x heads`` and store it in the step cache (see ``new_video_mask``)."""
         if mask is not None:
-            check_video_mask(mask, q, layout)
+            check_video_mask(mask, batch, heads, layout)
             self.record_density(mask)
-        signature = (layout, q.shape[0], q.shape[2], str(q.device))
+        signature = (layout, batch, heads, str(device))
         slot = self.cache.store_mask(self.mask_key(route, call), mask, call.step, signature)
         if slot.mask is None:
             self.dense_calls += 1
@@ -408,7 +415,7 @@ class TesseraProcessor:
         )
 
 
-def check_video_mask(mask: LogicalMask, q: torch.Tensor, layout: TileLayout) -> None:
+def check_video_mask(mask: LogicalMask, batch: int, heads: int, layout: TileLayout) -> None:
     """Raise unless a sparsifier's mask covers the call's video tokens and broadcasts to (B, H)."""
     if not isinstance(mask, LogicalMask):
         raise MaskError("sparsifier result", "a LogicalMask or None", type(mask).__name__)
@@ -417,4 +424,4 @@ def check_video_mask(mask: LogicalMask, q: torch.Tensor, layout: TileLayout) -> 
         raise MaskError(
             "sparsifier result", f"a mask over ({seq}, {seq}) video tokens", (mask.seq_len_q, mask.seq_len_kv)
         )
-    mask.check_broadcast(q.shape[0], q.shape[2])
+    mask.check_broadcast(batch, heads)

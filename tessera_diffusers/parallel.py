@@ -507,12 +507,18 @@ def pipelined_video_attention(
     """``TesseraProcessor``'s video attention on ``[B, S/N, H, D]`` raster chunks (``layout_attention``
     with the step cache's mask, the sparsifier and the processor's backend)."""
     ulysses: Ulysses = processor.ulysses
-    slot = processor.kept_video_slot(route, call, layout, query.shape[0], query.shape[2] // ulysses.degree, query.device)
+    batch, heads = query.shape[0], query.shape[2] // ulysses.degree
+    slot = processor.kept_video_slot(route, call, layout, batch, heads, query.device)
     chunks = ulysses.head_chunks(query.shape[2])
+    sparsifier = processor.sparsifier
 
     def make_mask(q, k):
+        mask = sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
+        return mask if mask is None or q.shape[2] != heads else ulysses.local_mask(mask, heads * ulysses.degree)
+
+    def keep(mask):
         nonlocal slot
-        mask, slot = processor.new_video_mask(route, call, layout, q, k)
+        mask, slot = processor.keep_video_mask(route, call, layout, mask, batch, heads, query.device)
         return mask
 
     def attend(chunk, q, k, v, mask):
@@ -521,7 +527,8 @@ def pipelined_video_attention(
 
     return layout_attention(
         ulysses, query, key, value, layout, attend,
-        mask=None if slot is None else slot.mask, make_mask=make_mask, dense=processor.dense_attention,
+        mask=None if slot is None else slot.mask, make_mask=make_mask, keep=keep, dense=processor.dense_attention,
+        separable=bool(getattr(sparsifier, "head_separable", False)),
     )  # fmt: skip
 
 
@@ -535,7 +542,9 @@ def layout_attention(
     *,
     mask: LogicalMask | None = None,
     make_mask=None,
+    keep=None,
     dense=None,
+    separable: bool = False,
 ) -> torch.Tensor:
     """Attention of ``[B, S/N, H, D]`` raster chunks of q, k, v whose mask is over a token permutation
     (``layout.to_layout`` / ``to_raster``, e.g. a sparsifier's tile order), pipelined in head chunks.
@@ -546,34 +555,73 @@ def layout_attention(
         mask: the mask of this rank's heads (or all heads, or broadcast) when known before the
             exchange: q, k and v then travel chunk by chunk and chunk ``c`` is attended while ``c + 1``
             is in flight.
-        make_mask: otherwise ``make_mask(q, k) -> LogicalMask | None`` on all of this rank's heads
-            ``[B, S, H/N, D]`` in layout order: all of q and k travel first, v's chunks arrive while
-            it runs. None is a dense decision, served by ``dense(q, k, v)`` on all of the rank's heads.
+        make_mask: otherwise ``make_mask(q, k) -> LogicalMask | None`` on heads of this rank in layout
+            order: on all of them (all of q and k travel first, v's chunks arrive while it runs) or,
+            with ``separable`` (the sparsifier's ``head_separable``), on each head chunk as it arrives,
+            the chunks' masks joined along the heads. None is a dense decision, served by
+            ``dense(q, k, v)``.
+        keep: ``keep(mask) -> mask``, called once with the new mask of this rank's heads before any
+            attention (e.g. to store it); the identity if not given.
 
     Returns ``[B, S/N, H, D]`` raster chunks; outputs travel back per chunk."""
     heads = query.shape[2]
     chunks = ulysses.head_chunks(heads)
+    keep = keep or (lambda m: m)
     if mask is not None:  # -> [B, S, h, D] per chunk, raster order
         incoming = ulysses.scatter_interleaved((query, key, value), chunks)
     elif make_mask is None:
         raise InvalidArgumentError("make_mask", "a callable when no mask is given", None)
+    elif separable and chunks > 1:  # the sparsifier on each head chunk as it arrives
+        incoming, masks = ulysses.scatter_interleaved((query, key, value), chunks), []
+        for parts in incoming:
+            parts[:2] = (layout.to_layout(p.wait()) for p in parts[:2])
+            masks.append(make_mask(*parts[:2]))
+        mask = keep(join_head_chunks(masks, heads // (ulysses.degree * chunks)))
     else:
         q_all, k_all = ulysses.scatter_heads_async(query, key)
         incoming = [[None, None, v_c] for v_c in ulysses.scatter_head_chunks(value, chunks)]
         q_all, k_all = layout.to_layout(q_all.wait()), layout.to_layout(k_all.wait())
-        mask = make_mask(q_all, k_all)  # overlaps v's transfer
-        if mask is None:  # a dense decision: this rank's heads at once
-            if dense is None:
-                raise InvalidArgumentError("dense", "a callable for make_mask's dense decisions", None)
-            value = layout.to_layout(torch.cat([v_c.wait() for _, _, v_c in incoming], dim=2))
-            return ulysses.gather_heads(layout.to_raster(dense(q_all, k_all, value)))
+        mask = keep(make_mask(q_all, k_all))  # overlaps v's transfer
         per_chunk = q_all.shape[2] // chunks
         for c, parts in enumerate(incoming):
             rows = slice(c * per_chunk, (c + 1) * per_chunk)
             parts[:2] = q_all[:, :, rows], k_all[:, :, rows]
-    local = ulysses.local_mask(mask, heads)
+    if mask is None and dense is None:
+        raise InvalidArgumentError("dense", "a callable for make_mask's dense decisions", None)
+    local = None if mask is None else ulysses.local_mask(mask, heads)
     back = HeadChunkGather(ulysses, chunks)
     for c, parts in enumerate(incoming):
         q_c, k_c, v_c = (p if isinstance(p, torch.Tensor) else layout.to_layout(p.wait()) for p in parts)
-        back.send(c, layout.to_raster(attend(c, q_c, k_c, v_c, ulysses.chunk_mask(local, c, chunks))))
+        if local is None:  # a dense decision, chunk by chunk
+            out = dense(q_c, k_c, v_c)
+        else:
+            out = attend(c, q_c, k_c, v_c, ulysses.chunk_mask(local, c, chunks))
+        back.send(c, layout.to_raster(out))
     return back.result()
+
+
+def join_head_chunks(masks: Sequence[LogicalMask | None], heads_per_chunk: int) -> LogicalMask | None:
+    """One mask over the heads of consecutive head chunks from each chunk's mask (``heads_per_chunk``
+    heads or 1 each); None when every chunk's decision was dense."""
+    if all(m is None for m in masks):
+        return None
+    if any(m is None for m in masks):
+        raise ContextParallelError(
+            "sparsifier: a dense decision (None) for some head chunks and a mask for others; a head_separable "
+            "sparsifier must decide the same way for every head"
+        )
+    first = masks[0]
+    if all(m is first for m in masks) and first.heads == 1:
+        return first
+    batch = max(m.batch for m in masks)
+    blocks = []
+    for i, m in enumerate(masks):
+        if m.heads not in (1, heads_per_chunk) or m.geometry_name != first.geometry_name or \
+                (m.seq_len_q, m.seq_len_kv) != (first.seq_len_q, first.seq_len_kv):
+            raise MaskError(
+                f"sparsifier result of head chunk {i}",
+                f"{first.geometry_name} over ({first.seq_len_q}, {first.seq_len_kv}) with 1 or {heads_per_chunk} heads",
+                f"{m.geometry_name} over ({m.seq_len_q}, {m.seq_len_kv}) with {m.heads} heads",
+            )
+        blocks.append(m.blocks.expand(batch, heads_per_chunk, *m.blocks.shape[2:]))
+    return LogicalMask(torch.cat(blocks, dim=1), first.block_q, first.block_kv, first.seq_len_q, first.seq_len_kv)

@@ -151,17 +151,47 @@ def test_wan_context_parallel_equals_single_process(reports, order, case):
         assert reports[0]["wan"][f"{order}/{case}"]["plan_reuses"][0] == 2  # second forward reuses the slices
 
 
-@pytest.mark.parametrize("case", ["ssta", "static_per_head"])
+@pytest.mark.parametrize("case", ["ssta", "static_per_head", "warmup_then_ssta"])
 def test_wan_pipelined_head_chunks_equal_single_process(reports, case):
     for rank, report in enumerate(reports):
         got = report["wan"][f"pipelined/{case}"]
         assert got["chunks"] == 2, (rank, got)
         assert max(got["errs"]) <= EXACT, (rank, got)
+        # SSTA is head-separable: it runs on each 1-head chunk as it arrives; the static mask
+        # (not computed from q, k) on the rank's 2 heads at once
+        assert got["sparsifier_heads"] == ([2] if case == "static_per_head" else [1]), (rank, got)
+        if case == "warmup_then_ssta":  # step 0 dense (not kept), step 1 computes, step 2 reuses
+            assert got["dense_calls"] == [2, 2] and got["sparse_calls"] == [4, 4], (rank, got)
+            continue
         assert got["sparse_calls"][0] == got["sparse_calls"][1] == 2 * 3, (rank, got)  # 2 layers x 3 steps
         assert got["masks_computed"] == [4, 4] and got["mask_reuses"] == [2, 2], (rank, got)  # steps 0 and 2
         # one plan per head chunk of each mask (one process: one plan per mask); the static
         # sparsifier hands back the same mask object at step 2, whose plans are kept
         assert got["plan_builds"] == ([4, 2] if case == "static_per_head" else [8, 4]), (rank, got)
+
+
+def test_join_head_chunks():
+    import torch
+
+    from tessera_diffusers import LogicalMask
+    from tessera_diffusers.errors import MaskError
+    from tessera_diffusers.parallel import ContextParallelError, join_head_chunks
+    from tessera_diffusers.testing import random_mask
+
+    parts = [random_mask(1, 2, 100, 100, 16, 16, density=0.3, seed=s) for s in range(3)]
+    joined = join_head_chunks(parts, 2)
+    assert joined.heads == 6 and torch.equal(joined.blocks, torch.cat([p.blocks for p in parts], 1))
+    broadcast = random_mask(1, 1, 100, 100, 16, 16, density=0.3, seed=9)
+    assert join_head_chunks([broadcast, broadcast], 2) is broadcast
+    mixed = join_head_chunks([broadcast, parts[0]], 2)
+    assert mixed.heads == 4 and torch.equal(mixed.blocks[:, :2], broadcast.blocks.expand(1, 2, -1, -1))
+    assert join_head_chunks([None, None], 2) is None
+    with pytest.raises(ContextParallelError, match="dense decision"):
+        join_head_chunks([None, parts[0]], 2)
+    with pytest.raises(MaskError, match="head chunk 1"):
+        join_head_chunks([parts[0], random_mask(1, 3, 100, 100, 16, 16, seed=4)], 2)
+    with pytest.raises(MaskError, match="head chunk 1"):
+        join_head_chunks([parts[0], LogicalMask(parts[1].blocks, 16, 16, 100, 99)], 2)
 
 
 def test_stock_context_parallel_baseline(reports):

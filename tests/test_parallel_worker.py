@@ -132,6 +132,21 @@ def forwards(model, steps: int) -> list[torch.Tensor]:
         return [model(**inputs, return_dict=False)[0] for _ in range(steps)]
 
 
+class HeadRecorder:
+    """A sparsifier that records how many heads each call saw (a head-separable one runs per chunk)."""
+
+    def __init__(self, inner):
+        self.inner, self.heads = inner, set()
+        self.head_separable = getattr(inner, "head_separable", False)
+
+    def layout(self, grid):
+        return self.inner.layout(grid)
+
+    def __call__(self, q, k, **kwargs):
+        self.heads.add(q.shape[2])
+        return self.inner(q, k, **kwargs)
+
+
 def case_wan(rank: int, world: int) -> dict:
     import diffusers.utils.logging as diffusers_logging
     from diffusers import ContextParallelConfig
@@ -170,12 +185,14 @@ def case_wan(rank: int, world: int) -> dict:
             }
     # 4 heads: this rank's 2 heads in 2 pipelined chunks; masks kept for 2 steps, so step 0 and 2
     # take the sparsifier's path (q, k whole, v in chunks) and step 1 the kept-mask path (interleaved).
-    for name, sparsifier in (("ssta", sparsifiers(4)["ssta"]), ("static_per_head", sparsifiers(4)["static_per_head"])):
+    for name in ("ssta", "static_per_head", "warmup_then_ssta"):
+        sparsifier = sparsifiers(4)[name]
         single = tiny_wan_transformer(heads=4)
         single_processor = TesseraProcessor(sparsifier, recompute_every=2).attach(single)
         expected = forwards(single, 3)
         model = tiny_wan_transformer(heads=4)
-        processor = TesseraProcessor(sparsifier, recompute_every=2).attach(model)
+        recording = HeadRecorder(sparsifier)
+        processor = TesseraProcessor(recording, recompute_every=2).attach(model)
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
         got = forwards(model, 3)
         stats, single_stats = processor.stats(), single_processor.stats()
@@ -186,6 +203,8 @@ def case_wan(rank: int, world: int) -> dict:
             "mask_reuses": [stats["cache"]["mask_reuses"], single_stats["cache"]["mask_reuses"]],
             "plan_builds": [stats["cache"]["plan_builds"], single_stats["cache"]["plan_builds"]],
             "sparse_calls": [stats["sparse_calls"], single_stats["sparse_calls"]],
+            "dense_calls": [stats["dense_calls"], single_stats["dense_calls"]],
+            "sparsifier_heads": sorted(recording.heads),  # heads per sparsifier call on this rank
         }
     # The stock processors under the same context parallelism agree as well (diffusers' own Ulysses).
     stock = tiny_wan_transformer()

@@ -75,6 +75,10 @@ class Sparsifier(Protocol):
     ``__call__`` gets ``q, k: [B, S, H, D]`` already in that order (S = grid.num_tokens) and returns
     a ``LogicalMask`` over ``(S, S)`` broadcastable to ``(B, H)``, or ``None`` for full attention.
     Returning the *same* mask object for an unchanged pattern lets prepared plans be reused.
+
+    Optional ``head_separable`` (default False): True when the mask of any subset of heads is the
+    one computed on those heads alone, over exactly q's heads (or 1). Context parallelism then
+    runs the sparsifier per head chunk as the chunks arrive (``parallel.layout_attention``).
     """
 
     def layout(self, grid: LatentGrid) -> TileLayout: ...

@@ -20,6 +20,7 @@ variant (``ssta_64``) keeps the same token budget with ``k = 384`` tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -47,6 +48,7 @@ class SSTASparsifier:
     top_k: int = 64
     lam: float = 0.7
     halve_top_k_at_frames: int = 31
+    head_separable: ClassVar[bool] = True  # pooling, scores and top-k are per (batch, head)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tile", check_triple("tile", self.tile))

@@ -29,6 +29,10 @@ class DenseWarmup:
         if not callable(self.inner) or not hasattr(self.inner, "layout"):
             raise InvalidArgumentError("inner", "a sparsifier (layout() and __call__)", type(self.inner).__name__)
 
+    @property
+    def head_separable(self) -> bool:
+        return bool(getattr(self.inner, "head_separable", False))
+
     def is_dense(self, layer: int, step: int) -> bool:
         return step < self.steps or layer < self.layers
 
