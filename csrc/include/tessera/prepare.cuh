@@ -161,7 +161,9 @@ __global__ void __launch_bounds__(kThreads) prepare_count_kernel(const __grid_co
   if (threadIdx.x == 0) {
     const int count = tile_count(g, total);
     g.tile_counts[tile_row] = count;
-    atomicMax(g.max_count, count);
+    // The longest so far only grows: a stale read costs an extra atomic, never a wrong maximum, and
+    // skipping the atomic when it cannot raise the value spares thousands of CTAs one contended address.
+    if (count > *reinterpret_cast<volatile int32_t*>(g.max_count)) atomicMax(g.max_count, count);
   }
 }
 
@@ -204,9 +206,12 @@ __global__ void __launch_bounds__(kThreads) prepare_fill_kernel(const __grid_con
   if (threadIdx.x == 0) g.tile_counts[tile_row] = tile_count(g, placed);
   __syncthreads();
 
+  // KV tiles holding a slot: the membership words past them are 0 (their slots are all -1), written
+  // without reading the slots back (most of an uncompacted row is such padding).
+  const int64_t filled = g.packed ? int64_t(ceil_div(placed, slots_per_tile)) : int64_t(placed);
   for (int64_t tile = threadIdx.x; tile < capacity; tile += kThreads) {
     unsigned long long word = 0;
-    for (int s = 0; s < slots_per_tile; ++s) {
+    for (int s = 0; s < (tile < filled ? slots_per_tile : 0); ++s) {
       const int32_t start = slots[tile * slots_per_tile + s];
       if (start < 0) continue;
       const int64_t column = unit_column(g, start / g.kv_unit);
