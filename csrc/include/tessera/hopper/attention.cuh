@@ -59,6 +59,8 @@ __device__ void consumer_loop(const TesseraAttnParams& p, SmemQ& sQ, SmemKV& sK,
 
   PipeState<T::kStages> read_k, read_v;
   uint32_t q_phase = 0;
+  const PingPong<T> turns{ctid / 128};
+  turns.start();
   const int64_t tasks = num_tasks(p);
   for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
     const Task t = decode_task(p, task_id);
@@ -67,7 +69,7 @@ __device__ void consumer_loop(const TesseraAttnParams& p, SmemQ& sQ, SmemKV& sK,
     clear(st.o);
     st.row_max[0] = st.row_max[1] = -CUDART_INF_F;
     st.row_sum[0] = st.row_sum[1] = 0.f;
-    if (t.tile_end > t.tile_begin) consume_task<T>(p, t, mmas, views, st, bar, read_k, read_v, q_phase);
+    if (t.tile_end > t.tile_begin) consume_task<T>(p, t, mmas, views, st, bar, read_k, read_v, q_phase, turns);
     store_output<T>(p, t, st.o, st.row_max, st.row_sum, views.coords_o, views.row_of_half);
   }
 }

@@ -113,6 +113,29 @@ __device__ __forceinline__ void online_softmax(FragS& s, float (&row_max)[2], fl
   }
 }
 
+// Turns of the two consumer warpgroups at issuing GEMMs (T::kPingPong): warpgroup w waits on named
+// barrier kFirstBarrier + w, issues, then lets the other one go. Barrier 0 is __syncthreads. Both
+// warpgroups work on the same tasks, so their turns pair up; warpgroup 1 lends warpgroup 0 its
+// first turn (``ping_pong_start``), and its last pass at the kernel's end stays unmatched.
+template <class T>
+struct PingPong {
+  static constexpr int kFirstBarrier = 1;
+  static constexpr int kThreads = 2 * 128;
+  int warpgroup;  // consumer warpgroup of this thread: 0 or 1
+
+  __device__ __forceinline__ void wait_turn() const {
+    if constexpr (T::kPingPong) asm volatile("bar.sync %0, %1;" ::"r"(kFirstBarrier + warpgroup), "n"(kThreads) : "memory");
+  }
+  __device__ __forceinline__ void pass_turn() const {
+    if constexpr (T::kPingPong)
+      asm volatile("bar.arrive %0, %1;" ::"r"(kFirstBarrier + 1 - warpgroup), "n"(kThreads) : "memory");
+  }
+  __device__ __forceinline__ void start() const {
+    if constexpr (T::kPingPong)
+      if (warpgroup == 1) asm volatile("bar.arrive %0, %1;" ::"r"(kFirstBarrier), "n"(kThreads) : "memory");
+  }
+};
+
 // Per-thread state of one query tile: the output accumulator and the running row statistics.
 template <class FragO>
 struct RowState {
@@ -127,7 +150,7 @@ template <class T, class Mmas, class Views, class State>
 __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const Task& t, Mmas& mmas, const Views& v,
                                              State& st, PipelineBarriers<T::kStages>& bar,
                                              PipeState<T::kStages>& read_k, PipeState<T::kStages>& read_v,
-                                             uint32_t& q_phase) {
+                                             uint32_t& q_phase, const PingPong<T>& turns) {
   using Element = typename T::Element;
   const int n = t.tile_end - t.tile_begin;
   Barrier::wait(&bar.q_full, q_phase);
@@ -167,15 +190,19 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
 
   // Tile 0: no P V in flight yet.
   TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
+  turns.wait_turn();
   issue_scores();
+  turns.pass_turn();
   warpgroup_wait<0>();
   scores_done(0, act);
   to_prob();
 
   for (int i = 1; i < n; ++i) {
     act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
+    turns.wait_turn();
     issue_scores();
     issue_pv();
+    turns.pass_turn();
     warpgroup_wait<1>();  // S done, O += P V still in flight
     scores_done(i, act);
     warpgroup_wait<0>();
@@ -185,7 +212,9 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
     to_prob();
   }
 
+  turns.wait_turn();
   issue_pv();
+  turns.pass_turn();
   warpgroup_wait<0>();
   pv_done();
 }
