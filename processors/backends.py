@@ -14,7 +14,6 @@ same two methods.
 from __future__ import annotations
 
 from collections.abc import Hashable
-
 from typing import Protocol, runtime_checkable
 
 import torch
