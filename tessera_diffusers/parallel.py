@@ -522,8 +522,9 @@ def pipelined_video_attention(
         return mask
 
     def attend(chunk, q, k, v, mask):
-        part = None if chunks == 1 else (chunk, chunks)
-        return processor.backend.attention(q, k, v, mask, slot=slot, cache=processor.cache, part=part)
+        # backends written before head parts take no ``part``: it is only passed when there are parts
+        part = {} if chunks == 1 else {"part": (chunk, chunks)}
+        return processor.backend.attention(q, k, v, mask, slot=slot, cache=processor.cache, **part)
 
     return layout_attention(
         ulysses, query, key, value, layout, attend,
