@@ -90,8 +90,10 @@ class TesseraBackend:
         prepared = cache.plan(slot, (self.name, request, part), build)
         if prepared is None:  # no native plan for this request: the reference path
             return reference.attention(q, k, v, mask, scale, return_lse)
-        if not built:
-            prepared.settle()  # a reused worst-case plan takes its compact size once the count is on the host
+        if not built and prepared.compaction_pending:  # a reused worst-case plan: its compact size once known
+            before = tensor_nbytes(prepared)
+            if prepared.settle():
+                cache.plan_resized(slot, tensor_nbytes(prepared) - before)
         return execute(prepared, q, k, v, scale, return_lse)
 
 

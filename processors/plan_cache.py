@@ -132,6 +132,11 @@ class StepCache:
             self.enforce_bound(keep=slot.key)
         return state
 
+    def plan_resized(self, slot: CacheSlot, delta: int) -> None:
+        """A kept plan state of ``slot`` changed size by ``delta`` bytes (a prepared plan that
+        trimmed its worst-case metadata: ``PreparedPlan.settle``)."""
+        slot.plan_bytes = max(0, slot.plan_bytes + int(delta))
+
     # ------------------------------------------------------------------ memory
     @property
     def nbytes(self) -> int:

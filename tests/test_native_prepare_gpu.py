@@ -281,6 +281,18 @@ def test_auto_prepare_defers_compaction_and_settles_on_reuse():
     assert was_pending and not kept.compaction_pending and kept.capacity < worst_cap
     assert torch.equal(first, second)
 
+    # The processors' backend keeps its plans in a step cache, whose byte count follows the trim.
+    from tessera_diffusers.processors.backends import TesseraBackend
+    from tessera_diffusers.processors.plan_cache import StepCache
+
+    backend, cache = TesseraBackend(), StepCache()
+    slot = cache.store_mask("layer", mask, 0, "signature")
+    first = backend.attention(q, k, v, mask, slot=slot, cache=cache)
+    worst_bytes = slot.plan_bytes
+    torch.cuda.synchronize()
+    assert torch.equal(backend.attention(q, k, v, mask, slot=slot, cache=cache), first)
+    assert 0 < slot.plan_bytes < worst_bytes and cache.stats.plan_reuses == 1
+
     captured = prepare(plan, state)  # a plan launched under capture is pinned
     captured.pin()
     slots = captured.tile_slots
