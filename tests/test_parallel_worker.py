@@ -87,6 +87,18 @@ def case_raw(rank: int, world: int) -> dict:
         torch.equal(pending.wait(), whole[:, :, c : c + 1]) for c, pending in enumerate(ulysses.scatter_head_chunks(x, 2))
     )
     report["head_chunks"] = [Ulysses(chunks=c).head_chunks(h) for c, h in ((4, 4), (4, 12), (3, 20), (1, 8))]
+    errors = []
+    back = HeadChunkGather(ulysses, 2)
+    chunk0 = ulysses.scatter_head_chunks(x, 2)[0].wait()
+    back.send(0, chunk0)
+    for bad in (lambda: back.send(0, chunk0), lambda: back.send(1, chunk0[:, :, :0]), lambda: back.result(),
+                lambda: Ulysses(chunks=0), lambda: ulysses.scatter_head_chunks(x, 3)):
+        try:
+            bad()
+            errors.append(None)
+        except Exception as err:  # noqa: BLE001 - the test checks the type and message
+            errors.append(f"{type(err).__name__}: {err}")
+    report["chunk_errors"] = errors
     try:
         ulysses.local_mask(random_mask(1, 3, seq, seq, 32, 32, seed=4), heads)
         report["wrong_heads_error"] = None
