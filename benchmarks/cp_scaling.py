@@ -362,7 +362,11 @@ def bench_transformer(sparsifier: SSTASparsifier, setup: Setup, args) -> dict:
     processor = TesseraProcessor(sparsifier).attach(model)
 
     def forward() -> torch.Tensor:
-        return model(**inputs, return_dict=False)[0]
+        out = model(**inputs, return_dict=False)[0]
+        # The _cp_plan's output gather is a functional collective: wait for it inside the timed
+        # call (and never leave one pending at exit, which aborts gloo's teardown).
+        wait = getattr(out, "wait", None)
+        return wait() if callable(wait) else out
 
     report: dict = {"layers": args.layers}
     with torch.inference_mode():
