@@ -20,7 +20,7 @@ from .catalog import kernel_spec_from_row
 from .errors import CatalogError, InvalidArgumentError, NativeKernelError
 from .kernel_table import all_rows
 from .plans import KernelSpec
-from .prepare import PreparedPlan
+from .prepare import PreparedPlan, WorkspaceLayout
 
 LIBRARY_FILE = "libtessera_kernels.so"
 ABI_VERSION = 2
@@ -189,15 +189,10 @@ def sparse_attention_fwd(
 
 def output_buffers(q: torch.Tensor, num_splits: int, with_lse: bool):
     """``(out [B, Sq, H, D], lse [B, H, Sq] fp32 or None, split-K workspace or None)`` for a launch."""
-    batch, seq_q, heads, head_dim = q.shape
+    batch, seq_q, heads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device) if with_lse else None
-    workspace = None
-    if num_splits > 1:
-        workspace = (
-            torch.empty(num_splits, batch, heads, seq_q, head_dim, dtype=torch.float32, device=q.device),
-            torch.empty(num_splits, batch, heads, seq_q, dtype=torch.float32, device=q.device),
-        )
+    workspace = WorkspaceLayout.of(num_splits, *q.shape).allocate(q.device) if num_splits > 1 else None
     return out, lse, workspace
 
 
@@ -337,7 +332,7 @@ def run_direct(prepared, q, k, v, scale, return_lse):
     key = (q.shape, q.stride(), k.shape[1], k.stride(), v.stride(), q.dtype, q.device, scale)
     templates = prepared.__dict__.setdefault("_launch_templates", {})
     template = templates.get(key)
-    deferred = "_pending_capacity" in prepared.__dict__ or "_defer_after_launch" in prepared.__dict__
+    deferred = prepared.compaction_pending
     if deferred and torch.cuda.is_current_stream_capturing():
         prepared.pin()  # the graph replays these metadata pointers: settle() must never move them
     out, lse, workspace = output_buffers(q, prepared.plan.tasks.num_splits, return_lse)

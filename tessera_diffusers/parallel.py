@@ -422,12 +422,26 @@ def ulysses_attention(
         q_h, k_h, v_h = ulysses.scatter_heads(q, k, v)  # [B, S, H/N, D]
         out, lse = runtime.attention(q_h, k_h, v_h, local, scale=scale, return_lse=True, plan=plan)
         return ulysses.gather_heads(out), ulysses.gather_lse(lse)
-    chunks = ulysses.head_chunks(heads)
-    back = HeadChunkGather(ulysses, chunks)
-    for c, pending in enumerate(ulysses.scatter_interleaved((q, k, v), chunks)):
-        q_c, k_c, v_c = (p.wait() for p in pending)  # [B, S, H/(N C), D]
-        back.send(c, runtime.attention(q_c, k_c, v_c, ulysses.chunk_mask(local, c, chunks), scale=scale, plan=plan))
-    return back.result()
+
+    def attend(chunk, q_c, k_c, v_c, mask_c):  # one head chunk, [B, S, H/(N C), D]
+        return runtime.attention(q_c, k_c, v_c, mask_c, scale=scale, plan=plan)
+
+    return layout_attention(ulysses, q, k, v, RASTER_ORDER, attend, mask=local)
+
+
+class RasterOrder:
+    """The token order of the sequence chunks itself (``layout_attention`` with no permutation)."""
+
+    @staticmethod
+    def to_layout(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def to_raster(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+RASTER_ORDER = RasterOrder()
 
 
 # ====================================================================== diffusers processors

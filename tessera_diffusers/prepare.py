@@ -66,6 +66,11 @@ class WorkspaceLayout:
     o_partial_shape: tuple[int, ...]  # [num_splits, B, H, Sq, D] fp32
     lse_partial_shape: tuple[int, ...]  # [num_splits, B, H, Sq] fp32
 
+    @classmethod
+    def of(cls, num_splits: int, batch: int, seq_q: int, heads: int, head_dim: int) -> WorkspaceLayout:
+        """The scratch of ``num_splits`` splits for outputs ``[B, Sq, H, D]``."""
+        return cls(num_splits, (num_splits, batch, heads, seq_q, head_dim), (num_splits, batch, heads, seq_q))
+
     @property
     def nbytes(self) -> int:
         if self.num_splits <= 1:
@@ -117,9 +122,7 @@ class PreparedPlan:
         return self.runs[2]
 
     def workspace(self, batch: int, heads: int, head_dim: int) -> WorkspaceLayout:
-        ns = self.plan.tasks.num_splits
-        sq = self.mask.seq_len_q
-        return WorkspaceLayout(ns, (ns, batch, heads, sq, head_dim), (ns, batch, heads, sq))
+        return WorkspaceLayout.of(self.plan.tasks.num_splits, batch, self.mask.seq_len_q, heads, head_dim)
 
     def num_tasks(self, batch: int, heads: int) -> int:
         return self.num_q_tiles * batch * heads * self.plan.tasks.num_splits
