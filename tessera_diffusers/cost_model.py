@@ -107,71 +107,74 @@ class PlanEstimator:
 
     def __init__(self, plans: Sequence[PhysicalPlan], req: Request, rates: DeviceRates = H200):
         self.union_rows = tuple(sorted({max(1, p.tile_q // req.block_q) for p in plans} - {1}))
-        self.area = (req.seq_len_q, req.seq_len_kv, req.batch * req.heads)
-        self.head_dim, self.block_kv, self.rates = req.head_dim, req.block_kv, rates
+        self.req, self.rates = req, rates
         groups: dict = {}
-        self.groups: list[tuple] = []  # per tile-work group: (q_rows, packed, tile_q, tile_kv, rate)
-        self.plans: list[tuple[int, float]] = []  # per plan: (group, split-K ms)
+        self.groups: list[TileGroup] = []
+        self.plans: list[tuple[int, float]] = []  # per plan: (its group's index, split-K ms)
         for plan in plans:
             key = (plan.block_q, plan.block_kv, plan.kv_layout, plan.kernel)
             group = groups.get(key)
             if group is None:
                 group = groups[key] = len(self.groups)
-                rate = tile_rate(plan.kernel.family, plan.tile_q, plan.tile_kv, plan.kernel.warps) * rates.rate_scale
-                if {plan.q_mapping, plan.kv_mapping} & {AxisMapping.COARSENED, AxisMapping.PACKED, AxisMapping.REGRIDDED}:
-                    rate /= MASKED_TILE_SLOWDOWN.get(plan.kernel.family, 1.2)
-                self.groups.append((max(1, plan.tile_q // req.block_q), plan.kv_layout is KvLayout.PACKED,
-                                    plan.tile_q, plan.tile_kv, rate))
+                self.groups.append(TileGroup.of(plan, req, rates))
             self.plans.append((group, split_merge_ms(plan, req, rates)))
 
     def __call__(self, values: Sequence[float], unions: dict[int, float]) -> list[float]:
         """Predicted milliseconds of every plan, in order, from the ``Stat`` vector ``values`` and
         ``unions[r]`` for ``r`` in ``union_rows`` (what ``tile_work_ms`` reads as ``row_union_r``)."""
-        density, mean_run, overlap = values[Stat.DENSITY], values[Stat.MEAN_RUN_LENGTH], values[Stat.ROW_OVERLAP]
-        seq_q, seq_kv, bh = self.area
-        area = density * seq_q * seq_kv * bh
-        rates, head_dim = self.rates, self.head_dim
-        work = []
-        for q_rows, packed, tile_q, tile_kv, rate in self.groups:  # the arithmetic of tile_work_ms, in its order
-            kv_waste = 1.0 if packed else coarsening_waste(self.block_kv, tile_kv, mean_run)
-            q_waste = unions.get(q_rows) or 1.0 + (q_rows - 1) * (1.0 - overlap)
-            computed = area * q_waste * kv_waste
-            math_ms = 4.0 * head_dim * computed / (rate * 1e12) * 1e3
-            tiles = computed / (tile_q * tile_kv)
-            mem_ms = tiles * tile_kv * head_dim * 2 * 2 / (rates.l2_bandwidth_gbs * 1e9) * 1e3
-            work.append(max(math_ms, mem_ms) + max(1.0, tiles / rates.num_sms) * rates.tile_overhead_us * 1e-3)
+        req, rates = self.req, self.rates
+        area = values[Stat.DENSITY] * req.seq_len_q * req.seq_len_kv * (req.batch * req.heads)
+        mean_run, overlap = values[Stat.MEAN_RUN_LENGTH], values[Stat.ROW_OVERLAP]
+        work = [g.work_ms(area, mean_run, overlap, unions.get(g.q_rows), req, rates) for g in self.groups]
         return [work[group] + split for group, split in self.plans]
 
 
 def tile_work_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rates: DeviceRates = H200) -> float:
     """The tiles' part of ``estimate_ms``: roofline time of the computed area plus per-tile overhead
     (depends on the plan's geometry, layout and kernel, not on its task organization)."""
-    density = stats[Stat.DENSITY.name.lower()]
-    mean_run = stats[Stat.MEAN_RUN_LENGTH.name.lower()]
-    overlap = stats[Stat.ROW_OVERLAP.name.lower()]
-    bh = req.batch * req.heads
-    area = density * req.seq_len_q * req.seq_len_kv * bh  # active token pairs
+    group = TileGroup.of(plan, req, rates)
+    union = stats.get(f"{ROW_UNION_KEY}{group.q_rows}")
+    return group.work_ms(
+        stats[Stat.DENSITY.name.lower()] * req.seq_len_q * req.seq_len_kv * (req.batch * req.heads),
+        stats[Stat.MEAN_RUN_LENGTH.name.lower()], stats[Stat.ROW_OVERLAP.name.lower()], union, req, rates,
+    )  # fmt: skip
 
-    kv_waste = coarsening_waste(req.block_kv, plan.tile_kv, mean_run)
-    q_rows = max(1, plan.tile_q // req.block_q)
-    # The union of the KV sets of q_rows block rows: measured on the mask where the caller gave it
-    # (``MaskState.row_union_ratios``), else estimated from the overlap of neighbouring rows.
-    q_waste = stats.get(f"{ROW_UNION_KEY}{q_rows}") or 1.0 + (q_rows - 1) * (1.0 - overlap)
-    if plan.kv_layout is KvLayout.PACKED:
-        kv_waste = 1.0  # gathered tiles are full up to the last one of each row
-    computed = area * q_waste * kv_waste
-    rate = tile_rate(plan.kernel.family, plan.tile_q, plan.tile_kv, plan.kernel.warps) * rates.rate_scale
-    masked = {plan.q_mapping, plan.kv_mapping} & {AxisMapping.COARSENED, AxisMapping.PACKED, AxisMapping.REGRIDDED}
-    if masked:
-        rate /= MASKED_TILE_SLOWDOWN.get(plan.kernel.family, 1.2)
-    math_ms = 4.0 * req.head_dim * computed / (rate * 1e12) * 1e3
 
-    tiles = computed / (plan.tile_q * plan.tile_kv)
-    bytes_moved = tiles * plan.tile_kv * req.head_dim * 2 * 2  # K and V per KV tile, bf16
-    mem_ms = bytes_moved / (rates.l2_bandwidth_gbs * 1e9) * 1e3
-    waves = max(1.0, tiles / rates.num_sms)
-    overhead_ms = waves * rates.tile_overhead_us * 1e-3
-    return max(math_ms, mem_ms) + overhead_ms
+@dataclass(frozen=True)
+class TileGroup:
+    """What a plan's tile work depends on besides the mask: plans that differ only in their task
+    organization share one (``PlanEstimator`` evaluates it once for all of them)."""
+
+    q_rows: int  # block rows per query tile
+    packed: bool
+    tile_q: int
+    tile_kv: int
+    rate: float  # TFLOP/s on the computed area, masking slowdown included
+
+    @classmethod
+    def of(cls, plan: PhysicalPlan, req: Request, rates: DeviceRates = H200) -> TileGroup:
+        rate = tile_rate(plan.kernel.family, plan.tile_q, plan.tile_kv, plan.kernel.warps) * rates.rate_scale
+        masked = {plan.q_mapping, plan.kv_mapping} & {AxisMapping.COARSENED, AxisMapping.PACKED, AxisMapping.REGRIDDED}
+        if masked:
+            rate /= MASKED_TILE_SLOWDOWN.get(plan.kernel.family, 1.2)
+        return cls(max(1, plan.tile_q // req.block_q), plan.kv_layout is KvLayout.PACKED, plan.tile_q, plan.tile_kv, rate)
+
+    def work_ms(self, area: float, mean_run: float, overlap: float, union: float | None, req: Request,
+                rates: DeviceRates) -> float:
+        """Milliseconds for ``area`` active token pairs; ``union``: the measured row-union ratio of
+        ``q_rows`` rows (``MaskState.row_union_ratios``) or None."""
+        # Gathered (packed) tiles are full up to the last one of each row.
+        kv_waste = 1.0 if self.packed else coarsening_waste(req.block_kv, self.tile_kv, mean_run)
+        # The union of the KV sets of q_rows block rows: measured on the mask where the caller gave it,
+        # else estimated from the overlap of neighbouring rows.
+        q_waste = union or 1.0 + (self.q_rows - 1) * (1.0 - overlap)
+        computed = area * q_waste * kv_waste
+        math_ms = 4.0 * req.head_dim * computed / (self.rate * 1e12) * 1e3
+        tiles = computed / (self.tile_q * self.tile_kv)
+        bytes_moved = tiles * self.tile_kv * req.head_dim * 2 * 2  # K and V per KV tile, bf16
+        mem_ms = bytes_moved / (rates.l2_bandwidth_gbs * 1e9) * 1e3
+        waves = max(1.0, tiles / rates.num_sms)
+        return max(math_ms, mem_ms) + waves * rates.tile_overhead_us * 1e-3
 
 
 def split_merge_ms(plan: PhysicalPlan, req: Request, rates: DeviceRates = H200) -> float:
