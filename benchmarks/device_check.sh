@@ -34,6 +34,9 @@ fi
 TESSERA_CUDA_ARCHS=none python3 -m pip install --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
   || { echo "pip install failed; using PYTHONPATH"; export PYTHONPATH=$PWD; }
 
+# A report directory under $OUT as one archive (at most 8 files come back from a device call).
+pack() { (cd "$OUT" && tar czf "$1.tgz" "$1" && rm -rf "$1"); }
+
 for STEP in "${@:-tests}"; do
   echo "=== $STEP ($(date +%T))"
   case "$STEP" in
@@ -57,16 +60,16 @@ for STEP in "${@:-tests}"; do
     harness)
       timeout ${HARNESS_TIMEOUT:-420} python3 -m tessera_diffusers.bench --out "$OUT/harness" --no-progress ${HARNESS_ARGS:-} \
         2>&1 | tee "$OUT/harness.log" | tail -40
-      (cd "$OUT" && tar czf harness.tgz harness && rm -rf harness) ;;
+      pack harness ;;
     kernels)
       KTAG=${KERNELS_TAG:-kernels}
       timeout ${KERNELS_TIMEOUT:-420} python3 benchmarks/kernels.py --out "$OUT/$KTAG" --no-progress ${KERNELS_ARGS:-} \
         2>&1 | tee "$OUT/$KTAG.log" | tail -40
-      (cd "$OUT" && tar czf $KTAG.tgz $KTAG && rm -rf $KTAG) ;;
+      pack $KTAG ;;
     loop)
       timeout ${LOOP_TIMEOUT:-420} python3 benchmarks/diffusion_loop.py --out "$OUT/loop" ${LOOP_ARGS:-} \
         2>&1 | tee "$OUT/loop.log" | tail -30
-      (cd "$OUT" && tar czf loop.tgz loop && rm -rf loop) ;;
+      pack loop ;;
     profile)
       timeout ${PROFILE_TIMEOUT:-420} python3 -m tessera_diffusers.cli profile --out "$OUT/profile" \
         --minutes ${PROFILE_MINUTES:-6} --no-progress ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -25 ;;
@@ -75,18 +78,18 @@ for STEP in "${@:-tests}"; do
     request)
       timeout ${REQUEST_TIMEOUT:-240} python3 benchmarks/request_breakdown.py --out "$OUT/request_breakdown.json" \
         ${REQUEST_ARGS:-} 2>&1 | tee "$OUT/request.log" | tail -30
-      if [ -d "$OUT/request_profile" ]; then (cd "$OUT" && tar czf request_profile.tgz request_profile && rm -rf request_profile); fi ;;
+      if [ -d "$OUT/request_profile" ]; then pack request_profile; fi ;;
     ablation)
       timeout ${ABLATION_TIMEOUT:-420} python3 benchmarks/ablation.py --out "$OUT/ablation" ${ABLATION_ARGS:-} \
         2>&1 | tee "$OUT/ablation.log" | tail -30
-      (cd "$OUT" && tar czf ablation.tgz ablation && rm -rf ablation) ;;
+      pack ablation ;;
     cp)
       NPROC=${CP_NPROC:-$(nvidia-smi -L | wc -l)}
       nvidia-smi topo -m > "$OUT/topology.txt" 2>&1; head -5 "$OUT/topology.txt"
       CTAG=${CP_TAG:-cp}
       timeout ${CP_TIMEOUT:-420} torchrun --standalone --nproc-per-node $NPROC benchmarks/cp_scaling.py --out "$OUT/$CTAG" \
         ${CP_ARGS:-} 2>&1 | tee "$OUT/$CTAG.log" | grep -v "^W1" | tail -30
-      (cd "$OUT" && tar czf $CTAG.tgz $CTAG && rm -rf $CTAG) ;;
+      pack $CTAG ;;
     demo)
       timeout ${DEMO_TIMEOUT:-120} tessera demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v "it/s" | tail -8 ;;
     *) echo "unknown step $STEP" ;;

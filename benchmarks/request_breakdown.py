@@ -333,7 +333,7 @@ def profile_kept_requests(setup: Setup, mask: LogicalMask, q, k, v, scale: float
     out.parent.mkdir(parents=True, exist_ok=True)
     masks = [fresh_mask(mask.blocks, mask) for _ in range(requests)]
     profiler = cProfile.Profile()
-    torch.cuda.synchronize(setup.device) if setup.device.type == "cuda" else None
+    Bracket(setup.device).sync()
     profiler.enable()
     for m in masks:
         setup.complete(m, q, k, v, scale, selector)
