@@ -340,7 +340,7 @@ class TesseraProcessor:
     ) -> CacheSlot | None:
         """The slot of a mask kept for this step and these ``batch x heads`` (counted as a sparse
         call), or None when the sparsifier must run (``new_video_mask``)."""
-        slot = self.cache.kept_mask(self.mask_key(route, call), call.step, (layout, batch, heads, str(device)))
+        slot = self.cache.kept_mask(self.mask_key(route, call), call.step, mask_signature(layout, batch, heads, device))
         if slot is not None:
             self.sparse_calls += 1
         return slot
@@ -362,7 +362,7 @@ class TesseraProcessor:
         if mask is not None:
             check_video_mask(mask, batch, heads, layout)
             self.record_density(mask)
-        signature = (layout, batch, heads, str(device))
+        signature = mask_signature(layout, batch, heads, device)
         slot = self.cache.store_mask(self.mask_key(route, call), mask, call.step, signature)
         if slot.mask is None:
             self.dense_calls += 1
@@ -413,6 +413,11 @@ class TesseraProcessor:
             f"TesseraProcessor(sparsifier={self.sparsifier!r}, backend={self.backend.name}, "
             f"recompute_every={self.cache.recompute_every}, attached={len(self.models)})"
         )
+
+
+def mask_signature(layout: TileLayout, batch: int, heads: int, device) -> tuple:
+    """What a kept video mask is valid for: its token order, batch, heads and device."""
+    return (layout, batch, heads, str(device))
 
 
 def check_video_mask(mask: LogicalMask, batch: int, heads: int, layout: TileLayout) -> None:
