@@ -116,7 +116,7 @@ __device__ __forceinline__ void online_softmax(FragS& s, float (&row_max)[2], fl
 // Turns of the two consumer warpgroups at issuing GEMMs (T::kPingPong): warpgroup w waits on named
 // barrier kFirstBarrier + w, issues, then lets the other one go. Barrier 0 is __syncthreads. Both
 // warpgroups work on the same tasks, so their turns pair up; warpgroup 1 lends warpgroup 0 its
-// first turn (``ping_pong_start``), and its last pass at the kernel's end stays unmatched.
+// first turn (``start``), and its last pass at the kernel's end stays unmatched.
 template <class T>
 struct PingPong {
   static constexpr int kFirstBarrier = 1;

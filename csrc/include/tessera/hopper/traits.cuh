@@ -26,7 +26,7 @@ struct Traits {
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   // Two consumer warpgroups take turns issuing their GEMMs (named barriers, mainloop.cuh), so one
   // warpgroup's softmax runs while the other's GEMMs occupy the tensor cores. Measured against
-  // the same build without it (benchmarks/results/h200_kernels_pingpong): 24 plans of 128-row tiles
+  // the same build without it (benchmarks/results/h200_kernels_pingpong): 20 plans of 128-row tiles
   // on Q128K128, Q128K64, Q384K384 and Q64K64, geometric mean 0.977 of the time (dense cuDNN in the
   // same calls: 0.995-1.002; the 64 x 64 plan, one warpgroup, 0.998). -DTESSERA_HOPPER_PINGPONG=0
   // (TESSERA_NVCC_FLAGS) builds without it.
