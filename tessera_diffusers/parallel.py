@@ -53,7 +53,7 @@ with no accelerator); the CPU tests and ``cp_scaling.py --smoke`` give it a coun
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -553,12 +553,12 @@ def layout_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     layout: Any,
-    attend,
+    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, LogicalMask], torch.Tensor],
     *,
     mask: LogicalMask | None = None,
-    make_mask=None,
-    keep=None,
-    dense=None,
+    make_mask: Callable[[torch.Tensor, torch.Tensor], LogicalMask | None] | None = None,
+    keep: Callable[[LogicalMask | None], LogicalMask | None] | None = None,
+    dense: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     separable: bool = False,
 ) -> torch.Tensor:
     """Attention of ``[B, S/N, H, D]`` raster chunks of q, k, v whose mask is over a token permutation
