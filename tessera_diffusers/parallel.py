@@ -70,7 +70,12 @@ if TYPE_CHECKING:
     from .processors.context import ForwardContext, ModuleRoute
 
 
-DEFAULT_HEAD_CHUNKS = 4  # at 20 heads a rank: 5 heads (~3,000 CTAs at 720p) per kernel, 1/4 of the traffic exposed
+# Head chunks per rank of the pipelined exchange. On 2 x H200 (NV18), Wan2.1 720p attention with
+# the mask reused: 2 chunks 0.792 efficiency, 4 chunks 0.768, 1 chunk 0.752 (NCCL on a
+# high-priority stream: 0.812 / 0.794), and with the mask recomputed 0.815 against 0.755
+# (benchmarks/results/h200x2_cp_scaling_pipelined). More chunks expose less traffic but slow the
+# kernels the transfers run beside, and each chunk's kernel has its own tail.
+DEFAULT_HEAD_CHUNKS = 2
 
 
 class ContextParallelError(TesseraError):
