@@ -44,7 +44,7 @@ def load_cases(path: Path) -> dict[str, dict]:
         return profile_cases(records)
     cases: dict[str, dict] = {}
     for rec in records:
-        entry = cases.setdefault(rec["case"], {"record": rec, "plans": {}})
+        entry = cases.setdefault(rec["case"], {"record": rec, "plans": {}, "abandoned": set()})
         if rec.get("kernel_ms") and rec.get("plan"):
             entry["plans"][rec["plan"]] = rec["kernel_ms"]
     return {name: c for name, c in cases.items() if c["plans"]}
@@ -52,12 +52,18 @@ def load_cases(path: Path) -> dict[str, dict]:
 
 def profile_cases(records: list[dict]) -> dict[str, dict]:
     """``load_cases`` of profile records: complete cases (those with a case record) and their
-    validated plan latencies; the case record carries the corpus spec and the request."""
+    validated plan latencies; the case record carries the corpus spec and the request. Plans the
+    profiler abandoned after one timed sample (slower than its ``abandon_factor`` x the case's best
+    so far) are listed under "abandoned": their latency is that one sample."""
     latencies: dict[str, dict[str, float]] = {}
+    abandoned: dict[str, set[str]] = {}
     for rec in records:
         if rec.get("type") == "plan" and rec.get("status") == "ok":
             latencies.setdefault(rec["case"], {})[rec["plan"]] = float(rec["latency_ms"])
-    return {rec["case"]: {"record": rec, "plans": latencies.get(rec["case"], {})}
+            if rec.get("abandoned"):
+                abandoned.setdefault(rec["case"], set()).add(rec["plan"])
+    return {rec["case"]: {"record": rec, "plans": latencies.get(rec["case"], {}),
+                          "abandoned": abandoned.get(rec["case"], set())}
             for rec in records if rec.get("type") == "case" and latencies.get(rec["case"])}
 
 
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         for sel_name, selector in selectors.items():
             chosen = selector.select(request, state)
             ms = case["plans"].get(chosen.name) if chosen is not None else None
-            row[sel_name] = (chosen.name if chosen is not None else None, ms)
+            row[sel_name] = (chosen.name if chosen is not None else None, ms,
+                             chosen is not None and chosen.name in case["abandoned"])
             if ms is not None:
                 regrets[sel_name].append(ms / best_ms)
         rows.append(row)
@@ -103,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         cells = []
         for sel_name in selectors:
-            plan, ms = row[sel_name]
-            cells += [plan or "reference", f"{ms / row['best_ms']:.3f}" if ms else "not timed"]
+            plan, ms, one_sample = row[sel_name]
+            cells += [plan or "reference", f"{ms / row['best_ms']:.3f}{'*' if one_sample else ''}" if ms else "not timed"]
         lines.append(f"| {row['case']} | {row['best']} | {row['best_ms']:.3f} | " + " | ".join(cells) + " |")
     lines.append("")
     for sel_name, values in regrets.items():
@@ -114,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             p99 = sorted(values)[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
             lines.append(f"- {sel_name}: GM regret {gm:.4f}, P99 {p99:.3f}, worst {max(values):.3f}, within 3% on "
                          f"{within}/{len(values)} cases ({100 * within / len(values):.0f}%; "
-                         f"{len(rows) - len(values)} choices not timed)")
+                         f"{len(rows) - len(values)} choices not timed, "
+                         f"{sum(row[sel_name][2] for row in rows)} timed by one abandoned sample)")
+    lines.append("")
+    lines.append("`*`: the profiler abandoned that plan after one timed sample slower than its abandon factor x "
+                 "the case's best so far; the regret uses that one sample.")
     lines.append("")
     lines += family_lines(rows, list(selectors))
     text = "\n".join(lines)
