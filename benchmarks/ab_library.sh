@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of builds of the kernel library in one device call: the installed one, then each library of
 # $AB_LIB (space-separated paths, e.g. built with TESSERA_NVCC_FLAGS=-D... into other directories
-# and carried), each through benchmarks/kernels.py with AB_KERNELS_ARGS; the others also through
+# and carried), each through benchmarks/kernels.py with AB_KERNELS_ARGS; the carried ones also through
 # the GPU tests (AB_PYTEST_ARGS) and compute-sanitizer synccheck. Reports: $OUT/kernels_base,
 # $OUT/kernels_ab (one library) or $OUT/kernels_ab1, kernels_ab2, ... (tarred).
 #   OUT=$OUT AB_LIB="$PWD/pp/libtessera_kernels.so" bash benchmarks/ab_library.sh
