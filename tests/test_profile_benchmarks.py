@@ -1,5 +1,6 @@
-"""The two issue-6 benchmark scripts on the CPU: the dispatch micro-benchmark (selection step only,
-synthetic compiler-built table) and the A0/A1/A2 ablation in its smoke configuration."""
+"""The issue-6 benchmark scripts on the CPU: the dispatch micro-benchmark (selection step only,
+synthetic compiler-built table), the A0/A1/A2 ablation in its smoke configuration, and the
+selection-regret report's reading of profile records."""
 
 from __future__ import annotations
 
@@ -40,3 +41,19 @@ def test_ablation_smoke(tmp_path):
     assert systems["A0 direct"]["plan"].startswith("direct_q64k64_from_q64k64")
     assert systems["A2 tessera"]["plan"] == "reference oracle"  # no table and no native kernels on a CPU
     assert "| A1 search |" in (tmp_path / "ablation.md").read_text()
+
+
+def test_selection_regret_reads_profile_records_and_their_abandoned_plans():
+    """Profile records: only complete cases (with a case record) count, failed plans are dropped,
+    and plans kept at one abandoned sample are listed so the report can mark them."""
+    case = {"type": "case", "case": "c1", "spec": {}, "request": {}}
+    plans = [
+        {"type": "plan", "case": "c1", "plan": "fast", "status": "ok", "latency_ms": 1.0, "abandoned": False},
+        {"type": "plan", "case": "c1", "plan": "slow", "status": "ok", "latency_ms": 1.6, "abandoned": True},
+        {"type": "plan", "case": "c1", "plan": "broken", "status": "failed", "latency_ms": None},
+        {"type": "plan", "case": "c2", "plan": "fast", "status": "ok", "latency_ms": 2.0},  # no case record
+    ]
+    cases = load("selection_regret").profile_cases([case, *plans])
+    assert set(cases) == {"c1"}
+    assert cases["c1"]["plans"] == {"fast": 1.0, "slow": 1.6}
+    assert cases["c1"]["abandoned"] == {"slow"}
