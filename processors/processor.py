@@ -336,7 +336,8 @@ class TesseraProcessor:
         return self.new_video_mask(route, call, layout, q, k) if slot is None else (slot.mask, slot)
 
     def kept_video_slot(
-        self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, batch: int, heads: int, device
+        self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, batch: int, heads: int,
+        device: torch.device | str,
     ) -> CacheSlot | None:
         """The slot of a mask kept for this step and these ``batch x heads`` (counted as a sparse
         call), or None when the sparsifier must run (``new_video_mask``)."""
@@ -356,7 +357,7 @@ class TesseraProcessor:
 
     def keep_video_mask(
         self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, mask: LogicalMask | None,
-        batch: int, heads: int, device,
+        batch: int, heads: int, device: torch.device | str,
     ) -> tuple[LogicalMask | None, CacheSlot]:
         """Check a new mask for ``batch x heads`` and store it in the step cache (see ``new_video_mask``)."""
         if mask is not None:
@@ -415,7 +416,7 @@ class TesseraProcessor:
         )
 
 
-def mask_signature(layout: TileLayout, batch: int, heads: int, device) -> tuple:
+def mask_signature(layout: TileLayout, batch: int, heads: int, device: torch.device | str) -> tuple:
     """What a kept video mask is valid for: its token order, batch, heads and device."""
     return (layout, batch, heads, str(device))
 

@@ -106,7 +106,6 @@ class PlanEstimator:
     ``union_rows`` (``MaskState.row_union_ratios``)."""
 
     def __init__(self, plans: Sequence[PhysicalPlan], req: Request, rates: DeviceRates = H200):
-        self.union_rows = tuple(sorted({max(1, p.tile_q // req.block_q) for p in plans} - {1}))
         self.req, self.rates = req, rates
         groups: dict = {}
         self.groups: list[TileGroup] = []
@@ -118,6 +117,7 @@ class PlanEstimator:
                 group = groups[key] = len(self.groups)
                 self.groups.append(TileGroup.of(plan, req, rates))
             self.plans.append((group, split_merge_ms(plan, req, rates)))
+        self.union_rows = tuple(sorted({g.q_rows for g in self.groups} - {1}))  # the row unions the groups read
 
     def __call__(self, values: Sequence[float], unions: dict[int, float]) -> list[float]:
         """Predicted milliseconds of every plan, in order, from the ``Stat`` vector ``values`` and

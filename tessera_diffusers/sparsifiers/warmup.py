@@ -31,6 +31,7 @@ class DenseWarmup:
 
     @property
     def head_separable(self) -> bool:
+        """The inner sparsifier's (the dense steps decide the same way for every head)."""
         return bool(getattr(self.inner, "head_separable", False))
 
     def is_dense(self, layer: int, step: int) -> bool:
