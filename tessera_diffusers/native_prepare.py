@@ -20,7 +20,8 @@ import contextlib
 import ctypes
 import math
 import os
-from functools import cache
+from dataclasses import dataclass
+from functools import cache, lru_cache
 
 import torch
 
@@ -144,7 +145,7 @@ def block_mask_struct(blocks: torch.Tensor) -> TesseraBlockMask:
 def stream_handle(device: torch.device) -> int:
     """The current stream of ``device`` (0, the legacy stream, off CUDA: only an emulated library
     sees it)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return ops.current_stream_handle(device) if device.type == "cuda" else 0
 
 
 def on_device(device: torch.device):
@@ -180,6 +181,62 @@ def typed_view(buffer: torch.Tensor, shape: tuple[int, ...], offset: int) -> tor
     return buffer.as_strided(shape, contiguous_strides(shape), offset)
 
 
+@dataclass(frozen=True)
+class MetadataLayout:
+    """Where the four metadata tensors lie in one preparation's allocations: each as
+    ``(shape, strides, offset)`` of a contiguous view, in elements of the buffer it views."""
+
+    rows: int  # metadata rows (mb, mh, query tile)
+    capacity: int
+    body_words: int  # int64 words of the body allocation
+    tile_member: tuple  # of the int64 body
+    tile_slots: tuple  # of the body as int32
+    tile_counts: tuple  # of the body as int32, or of the int32 head (compact)
+    q_order: tuple
+
+    @staticmethod
+    @lru_cache(maxsize=256)
+    def of(row_shape: tuple[int, int, int], capacity: int, slots: int, compact: bool) -> MetadataLayout:
+        """One int64 body: tile_member ``[rows * cap]``, then as int32 tile_slots ``[rows * cap * S]``,
+        then (not compact) tile_counts and q_order; compact keeps those two in the head allocation
+        of the count launch (counts, then q_order, then the longest count's scratch word)."""
+        rows = math.prod(row_shape)
+
+        def view(shape: tuple[int, ...], offset: int) -> tuple:
+            return shape, contiguous_strides(shape), offset
+
+        slot_end = 2 * rows * capacity + rows * capacity * slots  # int32 words
+        ints_after_slots = 0 if compact else 2 * rows
+        counts_at, order_at = (0, rows) if compact else (slot_end, slot_end + rows)
+        return MetadataLayout(
+            rows=rows,
+            capacity=capacity,
+            body_words=rows * capacity + (rows * capacity * slots + ints_after_slots + 1) // 2,
+            tile_member=view((*row_shape, capacity), 0),
+            tile_slots=view((*row_shape, capacity, slots), 2 * rows * capacity),
+            tile_counts=view(row_shape, counts_at),
+            q_order=view(row_shape, order_at),
+        )
+
+
+@lru_cache(maxsize=256)
+def params_template(plan: PhysicalPlan, geometry: tuple) -> TesseraPrepareParams:
+    """The launch parameters of ``plan`` over masks of ``geometry`` = (block_q, block_kv, Sq, Skv,
+    block-tensor shape, block-tensor strides), every pointer and ``capacity`` left 0: built once
+    and copied per preparation."""
+    block_q, block_kv, seq_q, seq_kv, shape, strides = geometry
+    p = TesseraPrepareParams()
+    for d, stride in enumerate(strides):
+        p.mask.stride[d] = stride
+    p.mask.batch, p.mask.heads, p.mask.rows, p.mask.cols = shape
+    p.block_q, p.block_kv, p.seq_q, p.seq_kv = block_q, block_kv, seq_q, seq_kv
+    p.tile_q, p.tile_kv, p.q_unit, p.kv_unit = plan.tile_q, plan.tile_kv, plan.q_unit, plan.kv_unit
+    p.packed = int(plan.kv_layout is KvLayout.PACKED)
+    p.longest_first = int(plan.tasks.traversal is Traversal.LONGEST_FIRST)
+    p.num_q_tiles = math.ceil(seq_q / plan.tile_q)
+    return p
+
+
 def prepare_native(
     plan: PhysicalPlan, state, compact: bool = True, library: ops.NativeLibrary | None = None
 ) -> PreparedPlan:
@@ -187,28 +244,27 @@ def prepare_native(
 
     ``compact`` reads the longest tile count back (one sync, inside the first ctypes call) and
     sizes the slot and membership tensors by it; ``compact=False`` never syncs. The four tensors
-    are views of one or two allocations."""
+    are views of one or two allocations. What depends only on the plan and the mask's shape (the
+    parameter block, the views' layout) is built once per such pair: a new mask of a known
+    request costs one allocation, four views and one or two ctypes calls."""
     mask: LogicalMask = state.mask
     check_plan(plan, mask)
     blocks = mask.blocks  # [Bm, Hm, nQ, nKV] bool, any strides
     device = blocks.device
     lib = require_library(device, library)
-    bm, hm = blocks.shape[:2]
+    template = params_template(plan, (mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv,
+                                      tuple(blocks.shape), blocks.stride()))
+    p = TesseraPrepareParams.from_buffer_copy(template)
+    p.mask.blocks = blocks.data_ptr()
+    n_qt = p.num_q_tiles
+    row_shape = (p.mask.batch, p.mask.heads, n_qt)
     slots = plan.slots_per_tile
-    n_qt = math.ceil(mask.seq_len_q / plan.tile_q)
-    rows = bm * hm * n_qt  # metadata rows (mb, mh, query tile)
-    p = TesseraPrepareParams()
-    p.mask = block_mask_struct(blocks)
-    p.block_q, p.block_kv, p.seq_q, p.seq_kv = mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv
-    p.tile_q, p.tile_kv, p.q_unit, p.kv_unit = plan.tile_q, plan.tile_kv, plan.q_unit, plan.kv_unit
-    p.packed = int(plan.kv_layout is KvLayout.PACKED)
-    p.longest_first = int(plan.tasks.traversal is Traversal.LONGEST_FIRST)
-    p.num_q_tiles = n_qt
-    row_shape = (bm, hm, n_qt)
     with on_device(device):
         stream = stream_handle(device)
+        head = None
         if compact:
             # Counts, q_order and the longest count's scratch first; the rest once cap is known.
+            rows = math.prod(row_shape)
             head = torch.empty(2 * rows + 1, dtype=torch.int32, device=device)
             p.tile_counts, p.q_order = head.data_ptr(), head.data_ptr() + 4 * rows
             p.max_count = head.data_ptr() + 8 * rows
@@ -216,23 +272,16 @@ def prepare_native(
             lib.check(lib.handle.tessera_prepare_counts(ctypes.byref(p), ctypes.byref(longest), stream),
                       "native prepare (tile counts)")
             cap = max(1, longest.value)
-            ints_after_slots = 0
         else:
-            cap = math.ceil(math.ceil(mask.seq_len_kv / plan.kv_unit) / slots)
-            ints_after_slots = 2 * rows  # counts and q_order after the slots
-        # One int64 buffer: tile_member [rows * cap], then as int32: tile_slots [rows * cap * S]
-        # (then counts and q_order when not compact).
-        int32_words = rows * cap * slots + ints_after_slots
-        body = torch.empty(rows * cap + (int32_words + 1) // 2, dtype=torch.int64, device=device)
+            cap = math.ceil(math.ceil(mask.seq_len_kv / p.kv_unit) / slots)
+        layout = MetadataLayout.of(row_shape, cap, slots, compact)
+        body = torch.empty(layout.body_words, dtype=torch.int64, device=device)
         ints = body.view(torch.int32)
-        tile_member = typed_view(body, (*row_shape, cap), 0)
-        tile_slots = typed_view(ints, (*row_shape, cap, slots), 2 * rows * cap)
-        if compact:
-            tile_counts = typed_view(head, row_shape, 0)
-            q_order = typed_view(head, row_shape, rows)
-        else:
-            tile_counts = typed_view(ints, row_shape, 2 * rows * cap + rows * cap * slots)
-            q_order = typed_view(ints, row_shape, 2 * rows * cap + rows * cap * slots + rows)
+        tile_member = body.as_strided(*layout.tile_member)
+        tile_slots = ints.as_strided(*layout.tile_slots)
+        small = head if compact else ints
+        tile_counts = small.as_strided(*layout.tile_counts)
+        q_order = small.as_strided(*layout.q_order)
         p.capacity = cap
         p.tile_counts, p.q_order = tile_counts.data_ptr(), q_order.data_ptr()
         p.tile_slots, p.tile_member = tile_slots.data_ptr(), tile_member.data_ptr()

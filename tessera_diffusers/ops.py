@@ -12,7 +12,7 @@ import ctypes
 import json
 import os
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -204,12 +204,22 @@ def _(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, sc
 
 @dataclass(frozen=True)
 class LaunchTemplate:
-    """Everything of a launch fixed by the prepared metadata and by the shapes, strides, dtype and
-    scale of the call: built once per such key, then copied and completed with the tensor pointers."""
+    """Everything of a launch fixed by the plan's kernel and launch config and by the shapes,
+    strides, dtype and scale of the call (``launch_template``): built once per such key in the
+    process — so the next mask of a request finds it — then bound to one prepared plan's metadata
+    (``bind``) and completed with the tensor pointers per call (``fill``)."""
 
     kernel_id: int
     params: TesseraAttnParams
     merge: TesseraMergeParams | None  # split-K merge (num_splits > 1)
+
+    def bind(self, metadata: tuple[torch.Tensor, ...]) -> LaunchTemplate:
+        """A copy with the metadata pointers of (tile_counts, tile_slots, tile_member, q_order)."""
+        p = TesseraAttnParams.from_buffer_copy(self.params)
+        tile_counts, tile_slots, tile_member, q_order = metadata
+        p.tile_counts, p.tile_slots = tile_counts.data_ptr(), tile_slots.data_ptr()
+        p.tile_member, p.q_order = tile_member.data_ptr(), q_order.data_ptr()
+        return LaunchTemplate(self.kernel_id, p, self.merge)
 
     def fill(self, q, k, v, out, lse, workspace) -> tuple[TesseraAttnParams, TesseraMergeParams | None]:
         p = TesseraAttnParams.from_buffer_copy(self.params)
@@ -227,44 +237,60 @@ class LaunchTemplate:
 
 def launch_template(q: torch.Tensor, k: torch.Tensor, metadata: tuple[torch.Tensor, ...], kernel: str,
                     config: list[int], scale: float, strides: tuple[tuple[int, ...], ...]) -> LaunchTemplate:
-    """The fixed part of a launch (see ``LaunchTemplate``): ``metadata`` = (tile_counts, tile_slots,
-    tile_member, q_order), ``strides`` = the (b, s, h) strides of q, k, v and the output."""
+    """The fixed part of a launch (see ``LaunchTemplate``), bound to ``metadata`` = (tile_counts,
+    tile_slots, tile_member, q_order); ``strides`` = the (b, s, h) strides of q, k, v and the output."""
+    key = (kernel, tuple(config), tuple(q.shape), k.shape[1], tuple(metadata[0].shape[:2]), strides,
+           q.dtype, q.device.index or 0, scale)
+    return unbound_template(*key).bind(metadata)
+
+
+@lru_cache(maxsize=512)
+def unbound_template(kernel: str, config: tuple[int, ...], q_shape: tuple[int, ...], seq_kv: int,
+                     mask_dims: tuple[int, int], strides: tuple[tuple[int, ...], ...], dtype: torch.dtype,
+                     device_index: int, scale: float) -> LaunchTemplate:
+    """``launch_template`` without the metadata pointers, cached per process (a pure function of its
+    arguments and the loaded library)."""
     lib = load_library()
-    batch, seq_q, heads, head_dim = q.shape
+    batch, seq_q, heads, head_dim = q_shape
     num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, persistent = config
     kid = lib.kernel_ids.get(kernel)
     if kid is None:
         raise CatalogError(f"kernel {kernel} is not in the loaded library {lib.path}")
     grid_size = 0
     if persistent:
-        grid_size = ctas_per_sm(kid, q.device.index or 0) * torch.cuda.get_device_properties(q.device).multi_processor_count
-    tile_counts, tile_slots, tile_member, q_order = metadata
+        grid_size = ctas_per_sm(kid, device_index) * torch.cuda.get_device_properties(device_index).multi_processor_count
     out_strides = strides[3]
     p = TesseraAttnParams()
     for field_, st in zip((p.q_stride, p.k_stride, p.v_stride, p.o_stride), strides):
         fill_strides(field_, st)
-    p.batch, p.heads, p.seq_q, p.seq_kv = batch, heads, seq_q, k.shape[1]
-    p.mask_batch, p.mask_heads = tile_counts.shape[0], tile_counts.shape[1]
+    p.batch, p.heads, p.seq_q, p.seq_kv = batch, heads, seq_q, seq_kv
+    p.mask_batch, p.mask_heads = mask_dims
     p.num_q_tiles, p.capacity, p.slots = num_q_tiles, capacity, slots
     p.q_unit_log2, p.kv_unit_log2 = q_unit_log2, kv_unit_log2
     p.num_splits, p.grid_size = num_splits, grid_size
-    p.tile_counts, p.tile_slots = tile_counts.data_ptr(), tile_slots.data_ptr()
-    p.tile_member, p.q_order = tile_member.data_ptr(), q_order.data_ptr()
     p.scale_log2 = scale * LOG2E
     m = None
     if num_splits > 1:
         m = TesseraMergeParams()
         fill_strides(m.o_stride, out_strides)
         m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits = batch, heads, seq_q, head_dim, num_splits
-        m.dtype = DTYPE_CODES[q.dtype]
+        m.dtype = DTYPE_CODES[dtype]
     return LaunchTemplate(kid, p, m)
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The raw handle of ``device``'s current CUDA stream (what ``torch.cuda.current_stream(device)
+    .cuda_stream`` gives, without building a Stream object on every launch)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def launch_filled(template: LaunchTemplate, p: TesseraAttnParams, m: TesseraMergeParams | None,
                   device: torch.device) -> None:
     """Launch the attention kernel (and the split-K merge) of completed params on the current stream."""
     lib = load_library()
-    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+    stream = ctypes.c_void_p(current_stream_handle(device))
     lib.check(lib.handle.tessera_attention_forward(template.kernel_id, ctypes.byref(p), stream), "attention")
     if m is not None:
         lib.check(lib.handle.tessera_split_merge(ctypes.byref(m), stream), "split-K merge")

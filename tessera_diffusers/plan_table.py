@@ -223,13 +223,19 @@ class PlanTable:
         return Lookup(key_table, table, "regime lookup")
 
     def catalog_mismatch(self, kernels: tuple[KernelSpec, ...]) -> str | None:
-        """Why this table cannot rank plans over ``kernels`` (the loaded catalog), or None."""
+        """Why this table cannot rank plans over ``kernels`` (the loaded catalog), or None. The answer
+        for the last tuple object checked is kept: every fresh Selector passes the same one, and
+        hashing it hashes each of its kernels."""
+        last = self.__dict__.get("_last_catalog_check")
+        if last is not None and last[0] is kernels:
+            return last[1]
         have = catalog_hash(kernels)
-        if have == self.catalog_hash:
-            return None
-        return (f"plan table {self.name} was built against catalog {self.catalog_hash} "
-                f"({len(self.kernels)} kernels), the loaded catalog is {have} ({len(kernels)} kernels); "
-                "re-profile with `tessera profile` or rebuild the matching kernels")
+        mismatch = None if have == self.catalog_hash else (
+            f"plan table {self.name} was built against catalog {self.catalog_hash} "
+            f"({len(self.kernels)} kernels), the loaded catalog is {have} ({len(kernels)} kernels); "
+            "re-profile with `tessera profile` or rebuild the matching kernels")
+        object.__setattr__(self, "_last_catalog_check", (kernels, mismatch))
+        return mismatch
 
     def to_dict(self) -> dict:
         """The artifact (with format, schema version and checksum), ready for ``json.dump``."""
@@ -474,6 +480,7 @@ class TableLoad:
     error: str | None  # PlanTableError message when a table exists but cannot be used
 
 
+@cache
 def shipped_table_path(arch: str) -> Path:
     return Path(str(resources.files("tessera_diffusers").joinpath("data", f"plan_table_{arch}.json")))
 

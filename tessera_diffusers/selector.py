@@ -31,7 +31,7 @@ fresh Selector (a cold ``Runtime``) pays for neither again.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
@@ -97,7 +97,7 @@ class RequestEntry:
     regimes: tuple[Regime, ...]  # empty: the cost model ranks
     tree: RegimeTree | None  # None: one regime, no statistic needed
     stats_needed: bool
-    plans: dict  # plan name -> PhysicalPlan (the table's)
+    plans: Mapping  # plan name -> PhysicalPlan (the table's)
     notes: tuple[str, ...]
     by_regime: dict = field(default_factory=dict)  # regime index -> Selection (or EVERY_PLAN_REJECTED)
     last_regime: int | None = None  # the regime the previous request of this entry fell in
@@ -144,6 +144,23 @@ def catalog_plans(request: Request, kernels: tuple[KernelSpec, ...]) -> tuple[
         else:
             rejected.append((plan.name, reason))
     return tuple(eligible), tuple(p.name for p in eligible), tuple(rejected)
+
+
+@lru_cache(maxsize=8192)
+def cached_rejection(plan: PhysicalPlan, request: Request) -> str | None:
+    """``eligibility.rejection`` (a pure function of its arguments), cached across Selectors: a fresh
+    Selector scanning a ranking it has not seen yet does not re-run the predicates."""
+    return rejection(plan, request)
+
+
+@lru_cache(maxsize=1024)
+def eligible_contenders(plans: tuple[tuple[str, PhysicalPlan], ...], request: Request) -> tuple[
+        tuple[PhysicalPlan, ...], tuple[str, ...], PlanEstimator]:
+    """A mixed regime's contenders ``(name, plan)`` that can serve ``request``, their names, and the
+    cost model over them (built once per process: a fresh Selector pays for neither again)."""
+    kept = [(name, plan) for name, plan in plans if cached_rejection(plan, request) is None]
+    eligible = tuple(plan for _, plan in kept)
+    return eligible, tuple(name for name, _ in kept), PlanEstimator(eligible, request)
 
 
 @dataclass
@@ -279,11 +296,11 @@ class Selector:
             notes.append("plan table rejected (see the warning): cost model")
         regimes: tuple[Regime, ...] = ()
         tree = None
-        plans: dict = {}
+        plans: Mapping = {}
         if ctx.table is not None:
             found = ctx.table.lookup(request)
             notes.append(f"{ctx.table.name}: {found.note}")
-            plans = dict(ctx.table.plans)
+            plans = ctx.table.plans
             if found.bucket is not None:
                 regimes = found.bucket.regimes
                 tree = found.bucket.tree if len(found.bucket.tree.nodes) > 1 else None
@@ -309,7 +326,7 @@ class Selector:
         rejected, chosen = [], None
         for ranked in regime.ranking:
             plan = entry.plans[ranked.plan]
-            reason = rejection(plan, request)
+            reason = cached_rejection(plan, request)
             if reason is not None:
                 rejected.append((ranked.plan, reason))
             elif chosen is None:
@@ -335,9 +352,8 @@ class Selector:
             return entry.arbitrated[index]
         cached = entry.contenders.get(index)
         if cached is None:  # once per (request, regime)
-            names = [name for name in regime.contenders if rejection(entry.plans[name], request) is None]
-            eligible = [entry.plans[name] for name in names]
-            cached = entry.contenders[index] = (eligible, names, PlanEstimator(eligible, request))
+            plans = tuple((name, entry.plans[name]) for name in regime.contenders)
+            cached = entry.contenders[index] = eligible_contenders(plans, request)
         eligible, names, estimator = cached
         if not eligible:
             return selection

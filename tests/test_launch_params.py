@@ -58,6 +58,19 @@ def test_direct_launch_fills_every_field(launches, splits):
     out = ops.run_direct(prepared, q, k, v, 0.125, False)
     assert not launches[-1][1].lse and launches[-1][1].o == out.data_ptr()
 
+    # The next mask of the same request (uncompacted: the same launch config): the process-wide
+    # template is reused, bound to that mask's metadata.
+    for seed in (9, 10):
+        nxt = prepare(plan, build_mask_state(random_mask(2, 1, 300, 500, 32, 32, density=0.3, seed=seed)),
+                      compact=False)
+        info = ops.unbound_template.cache_info()
+        ops.run_direct(nxt, q, k, v, 0.125, True)
+        if seed == 10:
+            assert ops.unbound_template.cache_info().hits == info.hits + 1
+        p = launches[-1][1]
+        assert (p.tile_counts, p.tile_slots, p.tile_member, p.q_order) == tuple(
+            t.data_ptr() for t in (nxt.tile_counts, nxt.tile_slots, nxt.tile_member, nxt.q_order))
+
 
 def test_the_custom_op_launch_fills_the_same_fields(launches):
     """``ops.launch`` (the custom op's body) builds its parameters like the eager path."""

@@ -293,6 +293,23 @@ def test_emulated_native_prepare_on_strided_blocks_and_odd_units():
         assert_same_metadata(native, prepare_torch(plan, state, compact), plan.name)
 
 
+def test_a_new_mask_of_a_known_request_reuses_the_parameter_block():
+    """What depends only on (plan, mask shape and strides) is built once: the next mask of the same
+    request copies it and still gets its own metadata, bit for bit."""
+    lib = emulated_library()
+    plan = PhysicalPlan(32, 32, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST),
+                        reference_kernel(32, "fp32", 64, 128))
+    masks = [random_mask(1, 2, 700, 900, 32, 32, density=d, seed=s) for s, d in ((5, 0.3), (6, 0.05), (7, 0.6))]
+    for compact in (True, False):
+        native_prepare.params_template.cache_clear()
+        for mask in masks:
+            state = build_mask_state(mask)
+            native = native_prepare.prepare_native(plan, state, compact, library=lib)
+            assert_same_metadata(native, prepare_torch(plan, state, compact), f"compact={compact}")
+        info = native_prepare.params_template.cache_info()
+        assert (info.misses, info.hits) == (1, len(masks) - 1)
+
+
 def test_emulated_mask_counts_equal_torch():
     lib = emulated_library()
     for seed, (bm, hm) in enumerate(((2, 3), (1, 1), (1, 4))):
