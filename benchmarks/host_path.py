@@ -35,6 +35,8 @@ import torch
 from tessera_diffusers import LogicalMask, Runtime, build_mask_state, native_prepare, ops, runtime
 from tessera_diffusers import selector as selector_module
 from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
+from tessera_diffusers.cost_model import PlanEstimator
+from tessera_diffusers.mask_state import MaskState
 from tessera_diffusers.prepare import PreparedPlan
 from tessera_diffusers.selector import Selector
 
@@ -78,6 +80,10 @@ def targets(lib: ops.NativeLibrary) -> list[tuple[object, str, str]]:
         (Selector, "_scan", "select/_scan"),
         (Selector, "_arbitrate", "select/_arbitrate"),
         (selector_module, "estimate_with", "select/_arbitrate/estimate_with"),
+        (native_prepare, "launch_mask_counts", "select/_arbitrate/estimate_with/launch_mask_counts"),
+        (lib.handle, "tessera_mask_counts", "select/_arbitrate/estimate_with/launch_mask_counts/ctypes"),
+        (MaskState, "row_union_ratios", "select/_arbitrate/estimate_with/row_union_ratios"),
+        (PlanEstimator, "__call__", "select/_arbitrate/estimate_with/estimator"),
         (runtime, "prepare", "prepare"),
         (native_prepare, "prepare_native", "prepare/prepare_native"),
         (lib.handle, "tessera_prepare_fill", "prepare/prepare_native/ctypes fill"),
