@@ -56,6 +56,9 @@ def masks_for(block_q: int, block_kv: int, device: torch.device) -> list[tuple[s
     wide = torch.zeros(*blocks.shape[:3], blocks.shape[3] + 5, dtype=torch.bool, device=device)
     wide[..., 2:2 + blocks.shape[3]] = blocks
     n_q, n_kv = blocks.shape[2:]
+    # Rows of a multiple of 4 bytes, the columns a prefix: the statistics read whole words, then a tail.
+    padded = torch.zeros(*blocks.shape[:3], n_kv + 4 - n_kv % 4 + 4, dtype=torch.bool, device=device)
+    padded[..., :n_kv] = blocks
     return [
         ("per (b, h)", per_head),
         ("broadcast B and H", random_mask(1, 1, seq_kv, seq_q, block_q, block_kv, density=0.2, seed=3, device=device)),
@@ -66,6 +69,7 @@ def masks_for(block_q: int, block_kv: int, device: torch.device) -> list[tuple[s
         ("dense", LogicalMask.dense(seq_q, seq_kv, block_q, block_kv, device=device)),
         ("expanded (stride 0)", LogicalMask(blocks[:1].expand(2, 3, n_q, n_kv), block_q, block_kv, seq_q, seq_kv)),
         ("column slice", LogicalMask(wide[..., 2:2 + n_kv], block_q, block_kv, seq_q, seq_kv)),
+        ("word-aligned rows", LogicalMask(padded[..., :n_kv], block_q, block_kv, seq_q, seq_kv)),
     ]
 
 
@@ -199,6 +203,26 @@ def test_native_mask_counts_on_a_large_mask():
     counts, unions = native_prepare.mask_counts_native(blocks, (4, 8))
     assert counts == tuple(count_blocks(blocks, blocks.sum(-1, dtype=torch.int32)).tolist())
     assert unions == {r: int(group_activity(blocks, r, dim=-2).sum()) for r in (4, 8)}
+
+
+@pytest.mark.parametrize("cols", (4, 7, 64, 1182))
+def test_native_mask_counts_on_word_rows(cols):
+    """Contiguous rows of a multiple of 4 bytes (the word path) with runs across word edges and a tail
+    of columns past the last whole word; dense, empty and alternating rows among random ones."""
+    device = torch.device("cuda")
+    rows = 37
+    gen = torch.Generator(device=device).manual_seed(cols)
+    blocks = torch.rand(2, 3, rows, cols + (-cols % 4), generator=gen, device=device) < 0.4
+    blocks[:, :, 0] = True
+    blocks[:, :, 1] = False
+    blocks[:, :, 2, ::2] = True
+    blocks[:, :, 2, 1::2] = False
+    blocks = blocks[..., :cols]
+    for view in (blocks, blocks.contiguous()):  # word rows when cols % 4 == 0, else the byte path
+        counts, unions = native_prepare.mask_counts_native(view, (2, 3, 8, rows + 1))
+        row_counts = view.sum(-1, dtype=torch.int32)
+        assert counts == tuple(count_blocks(view, row_counts).tolist()), view.stride()
+        assert unions == {r: int(group_activity(view, r, dim=-2).sum()) for r in (2, 3, 8, rows + 1)}
 
 
 def test_mask_state_native_statistics_equal_torch(monkeypatch):

@@ -5,7 +5,8 @@
 //   prepare_count_kernel  one CTA per query tile: its tile count, and the longest count (atomicMax)
 //   prepare_fill_kernel   one CTA per query tile: tile count, slots and membership words for `cap`
 //   prepare_order_kernel  CTAs of kThreads query tiles of one (mb, mh): q_order
-//   mask_count_kernel     one warp per query-block row (grid-stride): the statistics' counts
+//   mask_count_kernel     one warp per query-block row (grid-stride): the statistics' counts,
+//                         a 32-bit word per lane and step where the row allows it
 //
 // Terms (prepare.py): a query tile t holds the kq query units t * kq + a; a KV unit u is kv_unit
 // tokens; activity(query unit, KV unit u) = blocks[.., unit / rq, u / rk] (a unit never straddles
@@ -256,47 +257,109 @@ __global__ void __launch_bounds__(kThreads) prepare_order_kernel(const __grid_co
   if (i < g.num_q_tiles) order[rank] = i;
 }
 
+// The four flags of one 32-bit word of a block row (bytes 0..3 -> bits 0..3; a byte is active when
+// nonzero, as in the byte path).
+__device__ __forceinline__ uint32_t active_nibble(uint32_t word) {
+  const uint32_t v = __vcmpne4(word, 0u);  // 0xff in each nonzero byte
+  return ((v >> 7) & 1u) | ((v >> 14) & 2u) | ((v >> 21) & 4u) | ((v >> 28) & 8u);
+}
+
+// Counts of one block row: column j of `r` at r[j * col_stride]. `i` is the row's index in its
+// (mb, mh) slice (the previous row, at r - row_stride, exists when i > 0).
+struct RowCounts {
+  int active = 0;
+  unsigned long long runs = 0, single_runs = 0, overlap = 0;
+};
+
+// Columns [first, cols), one lane per column (the byte path).
+__device__ __forceinline__ void count_columns(const uint8_t* r, int first, int cols, int64_t col_stride,
+                                              int64_t row_stride, int i, int lane, RowCounts& c) {
+  for (int j = first + lane; j < cols; j += 32) {
+    if (r[j * col_stride] == 0) continue;
+    ++c.active;
+    const bool left = j > 0 && r[(j - 1) * col_stride] != 0;
+    const bool right = j + 1 < cols && r[(j + 1) * col_stride] != 0;
+    if (!left) {
+      ++c.runs;
+      if (!right) ++c.single_runs;
+    }
+    if (i > 0 && r[j * col_stride - row_stride] != 0) ++c.overlap;
+  }
+}
+
+// The words of a row whose columns are contiguous bytes and whose words are 4-byte aligned (the
+// row and the row above it): columns [0, 4 * words), four per lane per step, the neighbours of a
+// word's first and last column read as bytes. Unconditional loads, so a lane's loads overlap.
+__device__ __forceinline__ void count_words(const uint8_t* r, int words, int cols, int64_t row_stride, int i,
+                                            int lane, RowCounts& c) {
+  const uint32_t* row = reinterpret_cast<const uint32_t*>(r);
+  const uint32_t* above = reinterpret_cast<const uint32_t*>(r - row_stride);
+  for (int w = lane; w < words; w += 32) {
+    const uint32_t m = active_nibble(__ldg(row + w));
+    const uint32_t left = w > 0 ? uint32_t(__ldg(r + 4 * w - 1) != 0) : 0u;
+    const uint32_t right = 4 * w + 4 < cols ? uint32_t(__ldg(r + 4 * w + 4) != 0) : 0u;
+    const uint32_t starts = m & ~(((m << 1) | left) & 0xfu);  // active, the column before not
+    const uint32_t ends = m & ~(((m >> 1) | (right << 3)) & 0xfu);  // active, the column after not
+    c.active += __popc(m);
+    c.runs += __popc(starts);
+    c.single_runs += __popc(starts & ends);
+    if (i > 0) c.overlap += __popc(m & active_nibble(__ldg(above + w)));
+  }
+}
+
+// Columns of an aligned group of `rows_in_group` rows from `r` active in at least one of them.
+__device__ __forceinline__ unsigned long long count_union(const uint8_t* r, int words, int cols, int64_t col_stride,
+                                                          int64_t row_stride, int rows_in_group, int lane) {
+  unsigned long long n = 0;
+  for (int w = lane; w < words; w += 32) {
+    uint32_t any = 0;
+    for (int ii = 0; ii < rows_in_group; ++ii)
+      any |= active_nibble(__ldg(reinterpret_cast<const uint32_t*>(r + ii * row_stride) + w));
+    n += __popc(any);
+  }
+  for (int j = 4 * words + lane; j < cols; j += 32) {
+    for (int ii = 0; ii < rows_in_group; ++ii) {
+      if (r[ii * row_stride + j * col_stride] != 0) {
+        ++n;
+        break;
+      }
+    }
+  }
+  return n;
+}
+
 // One warp per query-block row r = (mb * Hm + mh) * nQ + i (grid-stride), lanes over the columns;
-// per-lane int64 counts, reduced over the CTA at the end: one atomic per count per CTA.
+// per-lane int64 counts, reduced over the CTA at the end: one atomic per count per CTA. A row of
+// contiguous, 4-byte-aligned bytes (the row above it too) is read a word per lane and step; the
+// rest of it, and any other row, a byte per lane and step.
 __global__ void __launch_bounds__(kThreads) mask_count_kernel(const __grid_constant__ TesseraMaskCountsParams p) {
   __shared__ unsigned long long partial[kWarps][TESSERA_MASK_COUNT_SLOTS];
   const TesseraBlockMask& m = p.mask;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t num_rows = int64_t(m.batch) * m.heads * m.rows;
   const int64_t col_stride = m.stride[3], row_stride = m.stride[2];
+  const bool word_rows = col_stride == 1 && row_stride % 4 == 0;
   unsigned long long counts[TESSERA_MASK_COUNT_SLOTS] = {};  // longest and empty rows: lane 0 only
 
   for (int64_t row = int64_t(blockIdx.x) * kWarps + warp; row < num_rows; row += int64_t(gridDim.x) * kWarps) {
     const int i = int(row % m.rows);
     const int64_t bh = row / m.rows;
     const uint8_t* r = m.blocks + (bh / m.heads) * m.stride[0] + (bh % m.heads) * m.stride[1] + i * row_stride;
-    int row_active = 0;
-    for (int j = lane; j < m.cols; j += 32) {
-      if (r[j * col_stride] == 0) continue;
-      ++row_active;
-      const bool left = j > 0 && r[(j - 1) * col_stride] != 0;
-      const bool right = j + 1 < m.cols && r[(j + 1) * col_stride] != 0;
-      if (!left) {
-        ++counts[TESSERA_COUNT_RUNS];
-        if (!right) ++counts[TESSERA_COUNT_SINGLE_RUNS];
-      }
-      if (i > 0 && r[j * col_stride - row_stride] != 0) ++counts[TESSERA_COUNT_OVERLAP];
-    }
-    counts[TESSERA_COUNT_ACTIVE] += row_active;
+    const int words = word_rows && (reinterpret_cast<uintptr_t>(r) & 3) == 0 ? m.cols / 4 : 0;
+    RowCounts c;
+    count_words(r, words, m.cols, row_stride, i, lane, c);
+    count_columns(r, 4 * words, m.cols, col_stride, row_stride, i, lane, c);
+    counts[TESSERA_COUNT_RUNS] += c.runs;
+    counts[TESSERA_COUNT_SINGLE_RUNS] += c.single_runs;
+    counts[TESSERA_COUNT_OVERLAP] += c.overlap;
+    counts[TESSERA_COUNT_ACTIVE] += c.active;
 #pragma unroll
     for (int k = 0; k < TESSERA_MAX_UNION_GROUPS; ++k) {  // unrolled: counts[] stays in registers
       if (k >= p.num_groups || i % p.group_rows[k] != 0) continue;  // not the first row of a group
       const int rows_in_group = int(min(int64_t(p.group_rows[k]), int64_t(m.rows) - i));
-      for (int j = lane; j < m.cols; j += 32) {
-        for (int ii = 0; ii < rows_in_group; ++ii) {
-          if (r[ii * row_stride + j * col_stride] != 0) {
-            ++counts[TESSERA_COUNT_UNIONS + k];
-            break;
-          }
-        }
-      }
+      counts[TESSERA_COUNT_UNIONS + k] += count_union(r, words, m.cols, col_stride, row_stride, rows_in_group, lane);
     }
-    const int total = warp_sum(row_active);
+    const int total = warp_sum(c.active);
     if (lane == 0) {
       if (p.row_counts != nullptr) p.row_counts[row] = total;
       counts[TESSERA_COUNT_LONGEST_ROW] = max(counts[TESSERA_COUNT_LONGEST_ROW], static_cast<unsigned long long>(total));
