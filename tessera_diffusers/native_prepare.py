@@ -66,7 +66,6 @@ class TesseraPrepareParams(ctypes.Structure):
         ("kv_unit", ctypes.c_int32),
         ("packed", ctypes.c_int32),
         ("longest_first", ctypes.c_int32),
-        ("write_padding", ctypes.c_int32),
         ("num_q_tiles", ctypes.c_int32),
         ("capacity", ctypes.c_int32),
         ("tile_counts", ctypes.c_void_p),
@@ -244,10 +243,7 @@ def prepare_native(
     """``prepare.prepare`` in the native library: the same metadata bit for bit (see prepare.py).
 
     ``compact`` reads the longest tile count back (one sync, inside the first ctypes call) and
-    sizes the slot and membership tensors by it; ``compact=False`` never syncs and sizes them for
-    the worst case, whose padding (the tiles past each row's count) it leaves unwritten: most of
-    that metadata is padding, no reader goes past ``tile_counts``, and ``PreparedPlan.settle``
-    writes it when it trims the plan to the compact size. The four tensors
+    sizes the slot and membership tensors by it; ``compact=False`` never syncs. The four tensors
     are views of one or two allocations. What depends only on the plan and the mask's shape (the
     parameter block, the views' layout) is built once per such pair: a new mask of a known
     request costs one allocation, four views and one or two ctypes calls."""
@@ -260,7 +256,6 @@ def prepare_native(
                                       tuple(blocks.shape), blocks.stride()))
     p = TesseraPrepareParams.from_buffer_copy(template)
     p.mask.blocks = blocks.data_ptr()
-    p.write_padding = int(compact)
     n_qt = p.num_q_tiles
     row_shape = (p.mask.batch, p.mask.heads, n_qt)
     slots = plan.slots_per_tile

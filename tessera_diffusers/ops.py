@@ -23,7 +23,7 @@ from .plans import KernelSpec
 from .prepare import PreparedPlan, WorkspaceLayout
 
 LIBRARY_FILE = "libtessera_kernels.so"
-ABI_VERSION = 3
+ABI_VERSION = 2
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 

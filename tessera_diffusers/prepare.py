@@ -32,9 +32,7 @@ No kernel reads the three run tensors (a launch passes the other four), so ``Pre
 them on first access.
 
 ``cap`` is at most ``ceil(ceil(Skv / kv_unit) / S)`` (trimmed to the longest list by default), ``capR = ceil(ceil(Skv / kv_unit) / 2)``. Tiles of a row are
-in ascending token order. Past a row's count its tiles are padding: -1 slots and 0 words, except
-in uncompacted (worst-case) metadata of the native path, which leaves them unwritten; no kernel or
-executor reads past ``tile_counts``, and ``settle`` writes the padding when it trims such a plan. Tokens at or past ``Skv`` are masked by the kernel (partial last block);
+in ascending token order. Tokens at or past ``Skv`` are masked by the kernel (partial last block);
 query rows at or past ``Sq`` are never stored. A query unit past ``Sq`` has no membership bits.
 
 Split-K: a task ``(b, h, rank, split)`` handles tiles ``[split * per, min(count, (split + 1) * per))``
@@ -160,8 +158,8 @@ class PreparedPlan:
 
     def settle(self) -> bool:
         """Trim the metadata to ``cap`` = the longest tile list once its deferred read has landed:
-        the same tensors ``compact=True`` gives, bit for bit (the padding past each tile list is
-        written here: uncompacted native metadata leaves it unwritten). Never blocks: False while the read is in flight, on another stream than the one
+        the same tensors ``compact=True`` gives, bit for bit (what lies past a tile list is
+        padding). Never blocks: False while the read is in flight, on another stream than the one
         the metadata was written on, during CUDA-graph capture, or for a plan that was launched
         under capture or ``torch.compile`` (``pin``: its pointers must stay valid)."""
         pending = self.__dict__.get("_pending_capacity")
@@ -176,26 +174,17 @@ class PreparedPlan:
             return False
         del self.__dict__["_pending_capacity"]
         cap = max(1, int(longest))
-        if cap >= self.capacity:  # already compact: only the padding to write
-            self.tile_slots.masked_fill_(self.padding().unsqueeze(-1), -1)
-            self.tile_member.masked_fill_(self.padding(), 0)
+        if cap >= self.capacity:
             return True
         # New allocations (the old metadata is one buffer that the views below would keep alive);
         # freed buffers return to the caching allocator in stream order, after the kernels that read them.
-        padding = self.padding(cap)
-        object.__setattr__(self, "tile_slots",
-                           self.tile_slots[..., :cap, :].contiguous().masked_fill_(padding.unsqueeze(-1), -1))
-        object.__setattr__(self, "tile_member", self.tile_member[..., :cap].contiguous().masked_fill_(padding, 0))
+        object.__setattr__(self, "tile_slots", self.tile_slots[..., :cap, :].contiguous())
+        object.__setattr__(self, "tile_member", self.tile_member[..., :cap].contiguous())
         object.__setattr__(self, "tile_counts", self.tile_counts.clone())
         object.__setattr__(self, "q_order", self.q_order.clone())
         object.__setattr__(self, "capacity", cap)
         self.__dict__.pop("_launch_templates", None)
         return True
-
-    def padding(self, capacity: int | None = None) -> torch.Tensor:
-        """``[Bm, Hm, nQT, cap]`` bool: the tiles past each row's count (up to ``capacity``)."""
-        cap = self.capacity if capacity is None else capacity
-        return torch.arange(cap, device=self.tile_counts.device) >= self.tile_counts.unsqueeze(-1)
 
     def pin(self) -> None:
         """Keep the metadata tensors as they are for good (``settle`` does nothing): a CUDA graph or

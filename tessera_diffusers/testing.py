@@ -122,10 +122,9 @@ def metadata_plans(block_q: int, block_kv: int) -> list[PhysicalPlan]:
     return list(plans.values())
 
 
-def metadata_difference(got, want, padding: bool = True) -> str | None:
+def metadata_difference(got, want) -> str | None:
     """The first difference between two ``PreparedPlan``s' metadata (capacity, then each tensor's
-    dtype, shape, contiguity and values, exactly), or None when they are identical. ``padding=False``
-    ignores what lies past each row's tile count (unwritten in uncompacted native metadata)."""
+    dtype, shape, contiguity and values, exactly), or None when they are identical."""
     for name in ("num_q_tiles", "capacity"):
         if getattr(got, name) != getattr(want, name):
             return f"{name} {getattr(got, name)} != {getattr(want, name)}"
@@ -133,9 +132,6 @@ def metadata_difference(got, want, padding: bool = True) -> str | None:
         a, b = getattr(got, name), getattr(want, name)
         if (a.dtype, a.shape) != (b.dtype, b.shape) or not a.is_contiguous():
             return f"{name}: {a.dtype} {tuple(a.shape)} contiguous={a.is_contiguous()}, expected {b.dtype} {tuple(b.shape)}"
-        if not padding and name in ("tile_slots", "tile_member"):
-            past = want.padding().view(*want.padding().shape, *([1] * (a.dim() - 4)))
-            a, b = a.masked_fill(past, 0), b.masked_fill(past, 0)
         if not torch.equal(a, b):
             where = torch.nonzero(a != b)[0].tolist()
             return f"{name} differs first at {where}: {a[tuple(where)].item()} != {b[tuple(where)].item()}"

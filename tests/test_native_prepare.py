@@ -167,17 +167,9 @@ class EmulatedHandle:
                         slots[placed * s_per + s] = unit * g.kv_unit if unit < g.kv_units else -1
                 placed += 1
             first_empty = placed if g.packed else placed * s_per
-            filled = min(g.tile_count(placed), cap)
-            # Past the filled tiles: -1 / 0 with write_padding, else left unwritten; poisoned here so
-            # that a reader depending on it fails.
-            slots[first_empty:cap * s_per if p.write_padding else filled * s_per] = -1
-            if not p.write_padding:
-                slots[filled * s_per:] = UNWRITTEN_SLOT
+            slots[first_empty:] = -1
             counts[tile_row] = g.tile_count(placed)
             for tile in range(cap):  # membership words read back from the slots
-                if tile >= filled and not p.write_padding:
-                    all_members[tile_row * cap + tile] = UNWRITTEN_WORD
-                    continue
                 word = 0
                 for s in range(s_per):
                     start = int(slots[tile * s_per + s])
@@ -238,10 +230,6 @@ class EmulatedHandle:
         return 0
 
 
-UNWRITTEN_SLOT = 123456789  # what the emulation leaves past the tile counts without write_padding
-UNWRITTEN_WORD = -1
-
-
 def emulated_library() -> NativeLibrary:
     return NativeLibrary("emulated", EmulatedHandle(), {}, {})
 
@@ -262,8 +250,8 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def assert_same_metadata(got, want, what: str, padding: bool = True) -> None:
-    difference = metadata_difference(got, want, padding)
+def assert_same_metadata(got, want, what: str) -> None:
+    difference = metadata_difference(got, want)
     assert difference is None, f"{what}: {difference}"
 
 
@@ -281,7 +269,7 @@ def test_emulated_native_prepare_equals_torch(bq, bkv):
     for mask, (plan, compact) in itertools.product(masks, itertools.product(metadata_plans(bq, bkv), (True, False))):
         state = build_mask_state(mask)
         native = native_prepare.prepare_native(plan, state, compact, library=lib)
-        assert_same_metadata(native, prepare_torch(plan, state, compact), f"{plan.name} compact={compact}", compact)
+        assert_same_metadata(native, prepare_torch(plan, state, compact), f"{plan.name} compact={compact}")
 
 
 def test_emulated_native_prepare_on_strided_blocks_and_odd_units():
@@ -302,7 +290,7 @@ def test_emulated_native_prepare_on_strided_blocks_and_odd_units():
             continue
         state = build_mask_state(mask)
         native = native_prepare.prepare_native(plan, state, compact, library=lib)
-        assert_same_metadata(native, prepare_torch(plan, state, compact), plan.name, compact)
+        assert_same_metadata(native, prepare_torch(plan, state, compact), plan.name)
 
 
 def test_a_new_mask_of_a_known_request_reuses_the_parameter_block():
@@ -317,7 +305,7 @@ def test_a_new_mask_of_a_known_request_reuses_the_parameter_block():
         for mask in masks:
             state = build_mask_state(mask)
             native = native_prepare.prepare_native(plan, state, compact, library=lib)
-            assert_same_metadata(native, prepare_torch(plan, state, compact), f"compact={compact}", compact)
+            assert_same_metadata(native, prepare_torch(plan, state, compact), f"compact={compact}")
         info = native_prepare.params_template.cache_info()
         assert (info.misses, info.hits) == (1, len(masks) - 1)
 
@@ -427,29 +415,8 @@ def test_prepare_dispatches_to_the_native_path(monkeypatch):
         plan = PhysicalPlan(32, 16, layout, TaskOrganization(), reference_kernel(16, "fp32", 64, 64))
         for compact in (True, False):
             prepared = prepare(plan, state, compact)
-            assert_same_metadata(prepared, prepare_torch(plan, state, compact), plan.name, compact)
+            assert_same_metadata(prepared, prepare_torch(plan, state, compact), plan.name)
     assert lib.handle.calls == ["prepare_counts", "prepare_fill", "prepare_fill"] * 2
-
-
-def test_settle_writes_the_padding_native_worst_case_metadata_leaves_unwritten():
-    """Uncompacted native metadata leaves the tiles past each row's count unwritten (poisoned by the
-    emulation); ``settle`` gives the compact metadata bit for bit, whether it trims (a sparse mask)
-    or the worst case is already the compact size (a row with every tile)."""
-    lib = emulated_library()
-    sparse = random_mask(2, 3, 1000, 1100, 64, 32, density=0.2, seed=5)
-    full_row = random_mask(1, 2, 700, 900, 32, 32, density=0.3, seed=6)
-    full_row.blocks[0, 1, 3] = True
-    for mask in (sparse, full_row):
-        state = build_mask_state(mask)
-        for layout in KvLayout:
-            plan = PhysicalPlan(mask.block_q, mask.block_kv, layout, TaskOrganization(),
-                                reference_kernel(16, "fp32", 128, 128))
-            worst = native_prepare.prepare_native(plan, state, False, library=lib)
-            compact = prepare_torch(plan, state, compact=True)
-            assert (worst.tile_slots == UNWRITTEN_SLOT).any() or worst.capacity == compact.capacity
-            worst.defer_compaction()
-            assert worst.settle() and worst.capacity == compact.capacity
-            assert_same_metadata(worst, compact, f"{plan.name} after settle")
 
 
 def test_mask_state_reads_native_counts_once(monkeypatch):

@@ -87,7 +87,7 @@ def test_native_metadata_equals_torch(bq, bkv):
         state = build_mask_state(mask)
         for compact in (True, False):
             native = native_prepare.prepare_native(plan, state, compact)
-            difference = metadata_difference(native, prepare_torch(plan, state, compact), compact)
+            difference = metadata_difference(native, prepare_torch(plan, state, compact))
             if difference is not None:
                 failures.append(f"{plan.name} [{label}] compact={compact}: {difference}")
             check_order_is_a_permutation(native)
@@ -110,7 +110,7 @@ def test_native_metadata_on_long_rows_and_many_query_tiles(bq, bkv, seq_q, seq_k
             continue
         for compact in (True, False):
             native = native_prepare.prepare_native(plan, state, compact)
-            difference = metadata_difference(native, prepare_torch(plan, state, compact), compact)
+            difference = metadata_difference(native, prepare_torch(plan, state, compact))
             assert difference is None, f"{plan.name} compact={compact}: {difference}"
             check_order_is_a_permutation(native)
 
@@ -176,7 +176,7 @@ def test_capturable_prepare_in_a_cuda_graph():
         captured = native_prepare.prepare_native(plan, state, compact=False)
     graph.replay()
     torch.cuda.synchronize()
-    assert metadata_difference(captured, prepare_torch(plan, state, compact=False), padding=False) is None
+    assert metadata_difference(captured, prepare_torch(plan, state, compact=False)) is None
 
 
 @pytest.mark.parametrize("bq,bkv", [(16, 16), (32, 16), (64, 64), (128, 128), (384, 384)], ids=str)

@@ -90,8 +90,6 @@ typedef struct TesseraPrepareParams {
   int32_t kv_unit;       // gcd(block_kv, tile_kv)
   int32_t packed;        // 1: KvLayout.PACKED (active units S per tile), 0: aligned groups of S units
   int32_t longest_first; // 1: q_order = stable descending argsort of tile_counts, 0: identity
-  int32_t write_padding; // 1: -1 slots and 0 words past each row's tile count up to cap; 0: left
-                         // unwritten (worst-case metadata: every reader stops at tile_counts)
   int32_t num_q_tiles;   // nQT = ceil(seq_q / tile_q) (checked)
   int32_t capacity;      // cap of tile_slots / tile_member (tessera_prepare_fill): >= every tile count
   int32_t* tile_counts;  // [Bm, Hm, nQT] out
@@ -165,4 +163,4 @@ int tessera_mask_counts(const TesseraMaskCountsParams* params, int64_t* host_cou
 }
 #endif
 
-#define TESSERA_ABI_VERSION 3
+#define TESSERA_ABI_VERSION 2

@@ -46,7 +46,6 @@ struct Geometry {
   int capacity;            // cap: KV tiles per query tile in tile_slots / tile_member
   int packed;              // 1: packed layout
   int longest_first;       // 1: q_order by descending count
-  int write_padding;       // 1: -1 slots and 0 words past the count up to cap; 0: not written
   int32_t* tile_counts;    // [Bm, Hm, nQT]
   int32_t* tile_slots;     // [Bm, Hm, nQT, cap, S]; read back by the CTA that wrote it (not const)
   int64_t* tile_member;    // [Bm, Hm, nQT, cap]
@@ -203,19 +202,15 @@ __global__ void __launch_bounds__(kThreads) prepare_fill_kernel(const __grid_con
     }
     placed += chunk_flags;
   }
-  // KV tiles holding a slot. The empty slots of the last one are -1; the tiles past it are padding,
-  // written (-1 slots, 0 words) only with write_padding: worst-case metadata is mostly padding, and
-  // no reader goes past the count.
-  const int64_t filled = g.packed ? int64_t(ceil_div(placed, slots_per_tile)) : int64_t(placed);
   const int64_t first_empty = g.packed ? int64_t(placed) : int64_t(placed) * slots_per_tile;
-  const int64_t slots_end = g.write_padding ? slot_capacity : min(filled * slots_per_tile, slot_capacity);
-  for (int64_t e = first_empty + threadIdx.x; e < slots_end; e += kThreads) slots[e] = -1;
+  for (int64_t e = first_empty + threadIdx.x; e < slot_capacity; e += kThreads) slots[e] = -1;
   if (threadIdx.x == 0) g.tile_counts[tile_row] = tile_count(g, placed);
   __syncthreads();
 
-  // Membership words of the filled tiles, read back from their slots; 0 past them (with padding).
-  const int64_t words_end = g.write_padding ? capacity : min(filled, capacity);
-  for (int64_t tile = threadIdx.x; tile < words_end; tile += kThreads) {
+  // KV tiles holding a slot: the membership words past them are 0 (their slots are all -1), written
+  // without reading the slots back (most of an uncompacted row is such padding).
+  const int64_t filled = g.packed ? int64_t(ceil_div(placed, slots_per_tile)) : int64_t(placed);
+  for (int64_t tile = threadIdx.x; tile < capacity; tile += kThreads) {
     unsigned long long word = 0;
     for (int s = 0; s < (tile < filled ? slots_per_tile : 0); ++s) {
       const int32_t start = slots[tile * slots_per_tile + s];
@@ -431,7 +426,6 @@ inline cudaError_t make_geometry(const TesseraPrepareParams& p, Geometry* g) {
   g->capacity = p.capacity;
   g->packed = p.packed != 0;
   g->longest_first = p.longest_first != 0;
-  g->write_padding = p.write_padding != 0;
   g->tile_counts = p.tile_counts;
   g->tile_slots = p.tile_slots;
   g->tile_member = p.tile_member;
