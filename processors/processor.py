@@ -350,10 +350,20 @@ class TesseraProcessor:
         self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[LogicalMask | None, CacheSlot]:
         """The sparsifier's mask for this step (None: a dense decision), stored in the step cache."""
-        mask = self.sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
-        if mask is not None and self.ulysses is not None:  # q holds this rank's heads only
-            mask = self.ulysses.local_mask(mask, q.shape[2] * self.ulysses.degree)
+        mask = self.sparsify(route, call, layout, q, k)
         return self.keep_video_mask(route, call, layout, mask, q.shape[0], q.shape[2], q.device)
+
+    def sparsify(
+        self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, q: torch.Tensor, k: torch.Tensor,
+        rank_heads: int | None = None,
+    ) -> LogicalMask | None:
+        """The sparsifier's mask for q, k (None: a dense decision). Under Ulysses, when q holds this
+        rank's ``rank_heads`` heads (q's heads by default), a mask over every rank's heads is cut to
+        this rank's; the mask of a head chunk (fewer heads) is returned as it came."""
+        mask = self.sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
+        if mask is None or self.ulysses is None or q.shape[2] != (rank_heads or q.shape[2]):
+            return mask
+        return self.ulysses.local_mask(mask, q.shape[2] * self.ulysses.degree)
 
     def keep_video_mask(
         self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, mask: LogicalMask | None,

@@ -356,7 +356,7 @@ def run_direct(prepared, q, k, v, scale, return_lse):
     """``run_native``'s eager path (same contract): cached template, output allocation, one launch."""
     q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
     key = (q.shape, q.stride(), k.shape[1], k.stride(), v.stride(), q.dtype, q.device, scale)
-    templates = prepared.__dict__.setdefault("_launch_templates", {})
+    templates = prepared.launch_templates
     template = templates.get(key)
     deferred = prepared.compaction_pending
     if deferred and torch.cuda.is_current_stream_capturing():

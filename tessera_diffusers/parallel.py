@@ -529,11 +529,9 @@ def pipelined_video_attention(
     batch, heads = query.shape[0], query.shape[2] // ulysses.degree
     slot = processor.kept_video_slot(route, call, layout, batch, heads, query.device)
     chunks = ulysses.head_chunks(query.shape[2])
-    sparsifier = processor.sparsifier
 
-    def make_mask(q, k):
-        mask = sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
-        return mask if mask is None or q.shape[2] != heads else ulysses.local_mask(mask, heads * ulysses.degree)
+    def make_mask(q, k):  # on this rank's heads, or on a head chunk of them (head_separable)
+        return processor.sparsify(route, call, layout, q, k, heads)
 
     def keep(mask):
         nonlocal slot
@@ -548,7 +546,7 @@ def pipelined_video_attention(
     return layout_attention(
         ulysses, query, key, value, layout, attend,
         mask=None if slot is None else slot.mask, make_mask=make_mask, keep=keep, dense=processor.dense_attention,
-        separable=bool(getattr(sparsifier, "head_separable", False)),
+        separable=bool(getattr(processor.sparsifier, "head_separable", False)),
     )  # fmt: skip
 
 

@@ -47,7 +47,7 @@ first within the head.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -83,6 +83,15 @@ class WorkspaceLayout:
         return o, lse
 
 
+@dataclass
+class DeferredCompaction:
+    """Where a worst-case plan's trim to the compact size stands (``PreparedPlan.settle``)."""
+
+    at_first_launch: bool = False  # the longest count's read is to be queued behind the first launch
+    pending: tuple | None = None  # (longest count: pinned host tensor or CPU tensor, event, stream)
+    pinned: bool = False  # a CUDA graph or a compiled graph holds the tensors: never moved
+
+
 @dataclass(frozen=True, eq=False)
 class PreparedPlan:
     """A plan bound to one mask: everything the kernel reads besides q, k, v.
@@ -98,6 +107,10 @@ class PreparedPlan:
     tile_slots: torch.Tensor  # [Bm, Hm, nQT, cap, S] int32
     tile_member: torch.Tensor  # [Bm, Hm, nQT, cap] int64
     q_order: torch.Tensor  # [Bm, Hm, nQT] int32
+    # Mutable state behind the frozen fields: the deferred compaction, and the launch templates the
+    # native launcher built for these tensors (``ops.run_direct``; dropped when ``settle`` moves them).
+    compaction: DeferredCompaction = field(default_factory=DeferredCompaction, repr=False)
+    launch_templates: dict = field(default_factory=dict, repr=False)
 
     @property
     def mask(self):
@@ -144,17 +157,17 @@ class PreparedPlan:
     def defer_compaction(self) -> None:
         """Queue a read of the longest tile list behind the metadata's writes (device -> pinned
         host memory, an event after it) so that ``settle`` can trim ``cap`` later without a sync."""
-        self.__dict__.pop("_defer_after_launch", None)
+        self.compaction.at_first_launch = False
         longest = self.tile_counts.amax() if self.tile_counts.numel() else self.tile_counts.new_zeros(())
         if longest.device.type != "cuda":
-            self.__dict__["_pending_capacity"] = (longest, None, None)
+            self.compaction.pending = (longest, None, None)
             return
         host = torch.empty((), dtype=longest.dtype, pin_memory=True)
         host.copy_(longest, non_blocking=True)
         stream = torch.cuda.current_stream(longest.device)
         event = torch.cuda.Event()
         event.record(stream)
-        self.__dict__["_pending_capacity"] = (host, event, stream)
+        self.compaction.pending = (host, event, stream)
 
     def settle(self) -> bool:
         """Trim the metadata to ``cap`` = the longest tile list once its deferred read has landed:
@@ -162,8 +175,8 @@ class PreparedPlan:
         padding). Never blocks: False while the read is in flight, on another stream than the one
         the metadata was written on, during CUDA-graph capture, or for a plan that was launched
         under capture or ``torch.compile`` (``pin``: its pointers must stay valid)."""
-        pending = self.__dict__.get("_pending_capacity")
-        if pending is None or self.__dict__.get("_pinned"):
+        pending = self.compaction.pending
+        if pending is None or self.compaction.pinned:
             return False
         longest, event, stream = pending
         if event is not None and (
@@ -172,7 +185,7 @@ class PreparedPlan:
             or not event.query()
         ):
             return False
-        del self.__dict__["_pending_capacity"]
+        self.compaction.pending = None
         cap = max(1, int(longest))
         if cap >= self.capacity:
             return True
@@ -183,25 +196,25 @@ class PreparedPlan:
         object.__setattr__(self, "tile_counts", self.tile_counts.clone())
         object.__setattr__(self, "q_order", self.q_order.clone())
         object.__setattr__(self, "capacity", cap)
-        self.__dict__.pop("_launch_templates", None)
+        self.launch_templates.clear()
         return True
 
     def pin(self) -> None:
         """Keep the metadata tensors as they are for good (``settle`` does nothing): a CUDA graph or
         a compiled graph has their pointers."""
-        self.__dict__["_pinned"] = True
-        self.__dict__.pop("_defer_after_launch", None)
+        self.compaction.pinned = True
+        self.compaction.at_first_launch = False
 
     def after_launch(self) -> None:
         """Called by a launcher after the plan's kernel is queued: a compaction ``prepare`` deferred
         starts here (its host ops overlap the kernel instead of delaying its launch)."""
-        if self.__dict__.get("_defer_after_launch"):
+        if self.compaction.at_first_launch:
             self.defer_compaction()
 
     @property
     def compaction_pending(self) -> bool:
-        d = self.__dict__
-        return ("_pending_capacity" in d or "_defer_after_launch" in d) and not d.get("_pinned", False)
+        c = self.compaction
+        return (c.pending is not None or c.at_first_launch) and not c.pinned
 
     def computed_fraction(self) -> torch.Tensor:
         """Scheduled tile area over the full (Sq x Skv) grid, per mask (b, h): the work the plan
@@ -243,7 +256,7 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -
         defer = not compact and worst > DEFERRED_COMPACTION_BYTES
     prepared = native.prepare_native(plan, state, compact) if native is not None else prepare_torch(plan, state, compact)
     if defer:  # queued by the first launch, after it (its host ops stay off the request's path)
-        prepared.__dict__["_defer_after_launch"] = True
+        prepared.compaction.at_first_launch = True
     return prepared
 
 

@@ -54,7 +54,7 @@ def test_direct_launch_fills_every_field(launches, splits):
             assert (m.o_partial, m.lse_partial, m.o, m.lse) == (p.o_partial, p.lse_partial, p.o, p.lse) and p.o_partial
             assert (m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits, m.dtype) == (2, 3, 300, 64, splits, 0)
             assert list(m.o_stride) == list(out.stride()[:3])
-    assert len(prepared.__dict__["_launch_templates"]) == 1  # the second call reused the template
+    assert len(prepared.launch_templates) == 1  # the second call reused the template
     out = ops.run_direct(prepared, q, k, v, 0.125, False)
     assert not launches[-1][1].lse and launches[-1][1].o == out.data_ptr()
 

@@ -215,4 +215,4 @@ def test_direct_launch_equals_the_custom_op(splits):
             kernel.name, prepared.launch_config(), 0.09)
         assert torch.equal(direct_out, op_out) and torch.equal(direct_lse, op_lse)
         assert torch.equal(ops.run_direct(prepared, q, k, v, 0.09, False), op_out)
-    assert len(prepared.__dict__["_launch_templates"]) == 1
+    assert len(prepared.launch_templates) == 1
