@@ -9,11 +9,13 @@ records, then read the held-out split's line for the chosen rate:
     python benchmarks/fit_tile_rate.py benchmarks/results/h200_profile_tile64/profile.jsonl.gz \\
         --eval benchmarks/results/h200_eval_regret/profile_eval.jsonl.gz --tile 64,64,4 \\
         --rates 460,480,490,495,500,505,510,520
+    python benchmarks/fit_tile_rate.py RECORDS --tile 64,64,4 --rates 490,500,510 --tile 128,128,8 --rates 540,576
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from pathlib import Path
 
@@ -60,18 +62,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("records", type=Path, help="profiling-split records (the fit)")
     parser.add_argument("--eval", type=Path, default=None, help="evaluation-split records (reported only)")
     parser.add_argument("--table", type=Path, default=Path("tessera_diffusers/data/plan_table_sm90.json"))
-    parser.add_argument("--tile", default="64,64,4", help="tile_q,tile_kv,warps of the Hopper rate to fit")
-    parser.add_argument("--rates", default="460,480,490,495,500,505,510,520", help="TFLOP/s to try")
+    parser.add_argument("--tile", action="append", default=None,
+                        help="tile_q,tile_kv,warps of a Hopper rate to fit (repeat with --rates for a grid; "
+                             "default 64,64,4)")
+    parser.add_argument("--rates", action="append", default=None,
+                        help="TFLOP/s to try for the matching --tile (default 460,...,520)")
     args = parser.parse_args(argv)
+    tiles = [tuple(int(x) for x in t.split(",")) for t in (args.tile or ["64,64,4"])]
+    rate_lists = [[float(r) for r in rates.split(",")] for rates in (args.rates or ["460,480,490,495,500,505,510,520"])]
+    if len(tiles) != len(rate_lists):
+        parser.error("give one --rates per --tile")
     table = load_plan_table(args.table)
-    tile = tuple(int(x) for x in args.tile.split(","))
     fit = mixed_cases(args.records, table)
     held = mixed_cases(args.eval, table) if args.eval else []
     print(f"{len(fit)} mixed-regime profiling cases, {len(held)} evaluation cases")
-    for rate in (float(r) for r in args.rates.split(",")):
-        cost_model.TILE_TFLOPS[Family.HOPPER][tile] = rate
+    for combo in itertools.product(*rate_lists):  # the cases are built once; each combination is cheap
+        for tile, rate in zip(tiles, combo):
+            cost_model.TILE_TFLOPS[Family.HOPPER][tile] = rate
         gm, within = regret(fit)
-        line = f"rate {rate:6.1f}  fit GM {gm:.4f} ({within}/{len(fit)} within 3%)"
+        label = " ".join(f"{t[0]}x{t[1]}w{t[2]} {r:6.1f}" for t, r in zip(tiles, combo))
+        line = f"{label}  fit GM {gm:.4f} ({within}/{len(fit)} within 3%)"
         if held:
             gm, within = regret(held)
             line += f"  eval GM {gm:.4f} ({within}/{len(held)} within 3%)"
