@@ -186,8 +186,6 @@ class MetadataLayout:
     """Where the four metadata tensors lie in one preparation's allocations: each as
     ``(shape, strides, offset)`` of a contiguous view, in elements of the buffer it views."""
 
-    rows: int  # metadata rows (mb, mh, query tile)
-    capacity: int
     body_words: int  # int64 words of the body allocation
     tile_member: tuple  # of the int64 body
     tile_slots: tuple  # of the body as int32
@@ -209,8 +207,6 @@ class MetadataLayout:
         ints_after_slots = 0 if compact else 2 * rows
         counts_at, order_at = (0, rows) if compact else (slot_end, slot_end + rows)
         return MetadataLayout(
-            rows=rows,
-            capacity=capacity,
             body_words=rows * capacity + (rows * capacity * slots + ints_after_slots + 1) // 2,
             tile_member=view((*row_shape, capacity), 0),
             tile_slots=view((*row_shape, capacity, slots), 2 * rows * capacity),

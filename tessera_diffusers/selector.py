@@ -24,8 +24,10 @@ with the ``PlanTableError`` message and ranks with the cost model.
 Caches: per request, its table lookup and its eligible catalog plans; per (request, regime), the
 Selection — so a new mask in a regime already seen skips the ranking scan. Exact repeats (the same
 mask object) never reach the Selector: ``Runtime`` reuses their prepared plan. The loaded library's
-kernel list and each request's eligible catalog plans are pure functions, cached per process, so a
-fresh Selector (a cold ``Runtime``) pays for neither again.
+kernel list, each request's eligible catalog plans, each (plan, request)'s eligibility and each mixed
+regime's eligible contenders with their cost model are pure functions, cached per process; a table
+keeps its catalog check for the last kernel tuple. So a fresh Selector (a cold ``Runtime``) pays
+for none of them again.
 """
 
 from __future__ import annotations
