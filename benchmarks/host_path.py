@@ -27,10 +27,11 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from request_breakdown import fresh_mask
 
 from tessera_diffusers import LogicalMask, Runtime, build_mask_state, native_prepare, ops, runtime
 from tessera_diffusers import selector as selector_module
@@ -111,10 +112,6 @@ def wrapped(clock: HostClock, lib: ops.NativeLibrary):
             setattr(owner, name, original)
 
 
-def fresh_mask(like: LogicalMask) -> LogicalMask:
-    return LogicalMask(like.blocks, like.block_q, like.block_kv, like.seq_len_q, like.seq_len_kv)
-
-
 def measure(mask: LogicalMask, q, k, v, scale: float, make_runtime: Callable[[], Runtime], requests: int,
             clocked: bool) -> dict:
     """``requests`` complete requests of new mask objects; per-function means when ``clocked``."""
@@ -122,12 +119,13 @@ def measure(mask: LogicalMask, q, k, v, scale: float, make_runtime: Callable[[],
     clock = HostClock()
     rt = make_runtime()
     for _ in range(3):  # warm-up: the selector's per-request cache, lazy modules
-        (rt if rt.selector.reuse_regime else make_runtime()).attention(q, k, v, fresh_mask(mask), scale=scale)
+        r = rt if rt.selector.reuse_regime else make_runtime()
+        r.attention(q, k, v, fresh_mask(mask.blocks, mask), scale=scale)
     torch.cuda.synchronize()
     complete, request = [], []
-    with wrapped(clock, lib) if clocked else contextlib_null():
+    with wrapped(clock, lib) if clocked else nullcontext():
         for _ in range(requests):
-            m = fresh_mask(mask)
+            m = fresh_mask(mask.blocks, mask)
             r = rt if rt.selector.reuse_regime else make_runtime()
             torch.cuda.synchronize()
             t0 = time.perf_counter_ns()
@@ -144,11 +142,6 @@ def measure(mask: LogicalMask, q, k, v, scale: float, make_runtime: Callable[[],
         out["functions_us"] = {label: clock.total_ns[label] / requests / 1e3 for label in clock.total_ns}
         out["calls_per_request"] = {label: clock.calls[label] / requests for label in clock.calls}
     return out
-
-
-@contextmanager
-def contextlib_null():
-    yield
 
 
 def kernel_alone(prepared: PreparedPlan, q, k, v, scale: float, reps: int) -> dict:
@@ -228,7 +221,7 @@ def run_family(family: str, heads: int, requests: int) -> dict:
         gc.disable()
         result[name]["unclocked_no_gc"] = measure(mask, q, k, v, scale, factory, requests, clocked=False)
         gc.enable()
-    state = build_mask_state(fresh_mask(mask))
+    state = build_mask_state(fresh_mask(mask.blocks, mask))
     plan = kept_rt.selector.select(runtime.make_request(q, k, mask, False), state)
     result["plan"] = plan.name
     result["kernel"] = kernel_alone(runtime.prepare(plan, state), q, k, v, scale, 20)

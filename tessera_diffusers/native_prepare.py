@@ -134,11 +134,18 @@ def union_rows_to_prefetch(block_q: int) -> tuple[int, ...]:
 
 
 def block_mask_struct(blocks: torch.Tensor) -> TesseraBlockMask:
+    """The struct of a ``[Bm, Hm, nQ, nKV]`` bool block tensor."""
+    return mask_struct(tuple(blocks.shape), blocks.stride(), blocks.data_ptr())
+
+
+def mask_struct(shape: tuple[int, ...], strides: tuple[int, ...], pointer: int = 0) -> TesseraBlockMask:
+    """The struct of a block tensor of ``shape`` ``[Bm, Hm, nQ, nKV]`` and element ``strides`` at
+    ``pointer`` (0: filled in later, as ``params_template`` leaves it)."""
     m = TesseraBlockMask()
-    m.blocks = blocks.data_ptr()
-    for d, stride in enumerate(blocks.stride()):
+    m.blocks = pointer
+    for d, stride in enumerate(strides):
         m.stride[d] = stride
-    m.batch, m.heads, m.rows, m.cols = blocks.shape
+    m.batch, m.heads, m.rows, m.cols = shape
     return m
 
 
@@ -222,9 +229,7 @@ def params_template(plan: PhysicalPlan, geometry: tuple) -> TesseraPrepareParams
     and copied per preparation."""
     block_q, block_kv, seq_q, seq_kv, shape, strides = geometry
     p = TesseraPrepareParams()
-    for d, stride in enumerate(strides):
-        p.mask.stride[d] = stride
-    p.mask.batch, p.mask.heads, p.mask.rows, p.mask.cols = shape
+    p.mask = mask_struct(shape, strides)
     p.block_q, p.block_kv, p.seq_q, p.seq_kv = block_q, block_kv, seq_q, seq_kv
     p.tile_q, p.tile_kv, p.q_unit, p.kv_unit = plan.tile_q, plan.tile_kv, plan.q_unit, plan.kv_unit
     p.packed = int(plan.kv_layout is KvLayout.PACKED)

@@ -264,8 +264,8 @@ __device__ __forceinline__ uint32_t active_nibble(uint32_t word) {
   return ((v >> 7) & 1u) | ((v >> 14) & 2u) | ((v >> 21) & 4u) | ((v >> 28) & 8u);
 }
 
-// Counts of one block row: column j of `r` at r[j * col_stride]. `i` is the row's index in its
-// (mb, mh) slice (the previous row, at r - row_stride, exists when i > 0).
+// Counts of one block row. In the helpers below, column j of row `r` is r[j * col_stride] and `i`
+// is the row's index in its (mb, mh) slice (the previous row, at r - row_stride, exists when i > 0).
 struct RowCounts {
   int active = 0;
   unsigned long long runs = 0, single_runs = 0, overlap = 0;
