@@ -357,7 +357,8 @@ class TesseraProcessor:
         self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, q: torch.Tensor, k: torch.Tensor,
         rank_heads: int | None = None,
     ) -> LogicalMask | None:
-        """The sparsifier's mask for q, k (None: a dense decision). Under Ulysses, when q holds this
+        """The sparsifier's mask for ``q, k [B, S, h, D]`` in layout order (None: a dense decision),
+        over ``h`` heads or broadcast. Under Ulysses, when q holds this
         rank's ``rank_heads`` heads (q's heads by default), a mask over every rank's heads is cut to
         this rank's; the mask of a head chunk (fewer heads) is returned as it came."""
         mask = self.sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
