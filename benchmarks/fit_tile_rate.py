@@ -10,6 +10,11 @@ records, then read the held-out split's line for the chosen rate:
         --eval benchmarks/results/h200_eval_regret/profile_eval.jsonl.gz --tile 64,64,4 \\
         --rates 460,480,490,495,500,505,510,520
     python benchmarks/fit_tile_rate.py RECORDS --tile 64,64,4 --rates 490,500,510 --tile 128,128,8 --rates 540,576
+
+``--masked TILE --slowdowns ...`` fits a tile shape's masking slowdown the same way (alone or in the
+grid with rates):
+
+    python benchmarks/fit_tile_rate.py RECORDS --masked 64,64,4 --slowdowns 1.07,1.08,1.085,1.09,1.1
 """
 
 from __future__ import annotations
@@ -63,24 +68,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval", type=Path, default=None, help="evaluation-split records (reported only)")
     parser.add_argument("--table", type=Path, default=Path("tessera_diffusers/data/plan_table_sm90.json"))
     parser.add_argument("--tile", action="append", default=None,
-                        help="tile_q,tile_kv,warps of a Hopper rate to fit (repeat with --rates for a grid; "
-                             "default 64,64,4)")
+                        help="tile_q,tile_kv,warps of a Hopper rate to fit (repeat with --rates for a grid)")
     parser.add_argument("--rates", action="append", default=None,
-                        help="TFLOP/s to try for the matching --tile (default 460,...,520)")
+                        help="TFLOP/s to try for the matching --tile (default: 64,64,4 at 460,...,520)")
+    parser.add_argument("--masked", action="append", default=[],
+                        help="tile_q,tile_kv,warps of a Hopper masking slowdown to fit (repeat with --slowdowns)")
+    parser.add_argument("--slowdowns", action="append", default=[],
+                        help="slowdowns to try for the matching --masked")
     args = parser.parse_args(argv)
-    tiles = [tuple(int(x) for x in t.split(",")) for t in (args.tile or ["64,64,4"])]
-    rate_lists = [[float(r) for r in rates.split(",")] for rates in (args.rates or ["460,480,490,495,500,505,510,520"])]
+    if args.tile is None and args.rates is None and not args.masked:  # the default: the 64 x 64 rate
+        args.tile, args.rates = ["64,64,4"], ["460,480,490,495,500,505,510,520"]
+    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tile or []]
+    rate_lists = [[float(r) for r in rates.split(",")] for rates in args.rates or []]
     if len(tiles) != len(rate_lists):
         parser.error("give one --rates per --tile")
+    if len(args.masked) != len(args.slowdowns):
+        parser.error("give one --slowdowns per --masked")
+    # (what is set, tile, values): a rate or a masking slowdown of one Hopper tile shape
+    grid = [("rate", tile, values) for tile, values in zip(tiles, rate_lists)]
+    grid += [("masked", tuple(int(x) for x in t.split(",")), [float(v) for v in values.split(",")])
+             for t, values in zip(args.masked, args.slowdowns)]
     table = load_plan_table(args.table)
     fit = mixed_cases(args.records, table)
     held = mixed_cases(args.eval, table) if args.eval else []
     print(f"{len(fit)} mixed-regime profiling cases, {len(held)} evaluation cases")
-    for combo in itertools.product(*rate_lists):  # the cases are built once; each combination is cheap
-        for tile, rate in zip(tiles, combo):
-            cost_model.TILE_TFLOPS[Family.HOPPER][tile] = rate
+    shaped = cost_model.MASKED_TILE_SLOWDOWN_BY_SHAPE.setdefault(Family.HOPPER, {})
+    for combo in itertools.product(*(values for _, _, values in grid)):  # the cases are built once
+        for (what, tile, _), value in zip(grid, combo):
+            if what == "rate":
+                cost_model.TILE_TFLOPS[Family.HOPPER][tile] = value
+            else:
+                shaped[tile] = value
         gm, within = regret(fit)
-        label = " ".join(f"{t[0]}x{t[1]}w{t[2]} {r:6.1f}" for t, r in zip(tiles, combo))
+        label = " ".join(f"{t[0]}x{t[1]}w{t[2]} {'masked ' if w == 'masked' else ''}{v:6.3f}"
+                         for (w, t, _), v in zip(grid, combo))
         line = f"{label}  fit GM {gm:.4f} ({within}/{len(fit)} within 3%)"
         if held:
             gm, within = regret(held)

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from tessera_diffusers import LogicalMask, build_mask_state
-from tessera_diffusers.catalog import catalog_hash, plans_for, portable_kernels
-from tessera_diffusers.cost_model import estimate_ms
+from tessera_diffusers import cost_model
+from tessera_diffusers.catalog import catalog_hash, hopper_kernels, plans_for, portable_kernels
+from tessera_diffusers.cost_model import estimate_ms, masked_tile_slowdown
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.kernel_table import all_rows
-from tessera_diffusers.plans import AxisMapping, Request
+from tessera_diffusers.plans import AxisMapping, Family, KvLayout, Request
 from tessera_diffusers.selector import rank, select
 from tessera_diffusers.testing import random_mask
 
@@ -77,6 +78,36 @@ def test_cost_model_prefers_large_tiles_for_large_blocks_and_penalizes_waste():
     ranked = sorted((p for p in plans_for(16, 16, portable_kernels()) if rejection(p, req16) is None),
                     key=lambda p: estimate_ms(p, req16, small_stats))
     assert ranked[0].kv_mapping is AxisMapping.PACKED  # gathered tiles beat aligned ones on scattered small blocks
+
+
+def test_masked_tile_slowdown_per_shape_falls_back_to_the_family():
+    assert masked_tile_slowdown(Family.HOPPER, 64, 64, 4) == cost_model.MASKED_TILE_SLOWDOWN_BY_SHAPE[Family.HOPPER][(64, 64, 4)]
+    assert masked_tile_slowdown(Family.HOPPER, 128, 128, 8) == cost_model.MASKED_TILE_SLOWDOWN[Family.HOPPER]
+    assert masked_tile_slowdown(Family.PORTABLE, 64, 64, 4) == cost_model.MASKED_TILE_SLOWDOWN[Family.PORTABLE]
+
+
+@pytest.mark.parametrize(("shift", "tile_q"), [(8, 128), (20, 64)])
+def test_cost_model_picks_the_query_tile_by_the_union_of_neighbouring_rows(shift, tile_q):
+    """Q32K32 rows in identical pairs; in each aligned group of four rows the second pair's band
+    sits ``shift`` blocks after the first's. A 64-row tile computes no waste, a 128-row one the union
+    of its two pairs ((100 + shift) / 100 of the active blocks). A small shift leaves the faster
+    128 x 128 tile ahead; a 20% union does not."""
+    rows, band = 1024, 100
+    blocks = torch.zeros(1, 1, rows, rows, dtype=torch.bool)
+    for i in range(rows):
+        start = (37 * (i // 4)) % (rows - band - shift) + shift * ((i // 2) % 2)
+        blocks[0, 0, i, start : start + band] = True
+    mask = LogicalMask(blocks, 32, 32, 32768, 32768)
+    state = build_mask_state(mask)
+    req = request(bq=32, bkv=32)
+    plans = [p for p in plans_for(32, 32, hopper_kernels()) if rejection(p, req) is None
+             and p.kv_layout is KvLayout.PACKED and p.q_mapping is AxisMapping.COARSENED and p.tile_q == p.tile_kv]
+    assert {p.tile_q for p in plans} == {64, 128}
+    stats = state.host_stats() | cost_model.row_union_stats(plans, 32, state)
+    assert stats["row_union_2"] == pytest.approx(1.0, abs=0.01)
+    assert stats["row_union_4"] == pytest.approx((band + shift) / band, abs=0.01)
+    best = min(plans, key=lambda p: estimate_ms(p, req, stats))
+    assert best.tile_q == tile_q
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
