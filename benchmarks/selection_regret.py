@@ -13,6 +13,7 @@ kernel and layout); a chosen plan that was not timed is reported as such, never 
 
     python benchmarks/selection_regret.py benchmarks/results/h200_kernels_n32k_tma/records.jsonl
     python benchmarks/selection_regret.py RECORDS --table PATH --md OUT.md
+    python benchmarks/selection_regret.py RECORDS --table A.json --table B.json   # tables side by side
 """
 
 from __future__ import annotations
@@ -75,13 +76,22 @@ def case_spec(name: str, rec: dict) -> CaseSpec:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("records", type=Path, help="records.jsonl of a kernel study")
-    parser.add_argument("--table", default=AUTO, help="plan table file (default: the shipped one)")
+    parser.add_argument("--table", action="append", default=None,
+                        help="plan table file (default: the shipped one); repeat to compare tables on the "
+                             "same masks (one column each, named by the file)")
     parser.add_argument("--arch", default="sm90")
     parser.add_argument("--md", type=Path, default=None, help="also write the table as markdown here")
     args = parser.parse_args(argv)
 
-    table = AUTO if args.table == AUTO else load_plan_table(Path(args.table))
-    selectors = {"table": Selector(table=table), "cost model": Selector(table=None)}
+    if args.table is None or args.table == [AUTO]:
+        selectors = {"table": Selector(table=AUTO)}
+    elif len(args.table) == 1:
+        selectors = {"table": Selector(table=load_plan_table(Path(args.table[0])))}
+    else:
+        selectors = {f"table {Path(t).name}": Selector(table=load_plan_table(Path(t))) for t in args.table}
+        if len(selectors) < len(args.table):
+            parser.error("give tables with different file names")
+    selectors["cost model"] = Selector(table=None)
     rows, regrets = [], {name: [] for name in selectors}
     for name, case in sorted(load_cases(args.records).items()):
         rec = case["record"]

@@ -4,6 +4,8 @@ early abandon of hopeless plans, and plans failing their oracle check."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import time
 
 import pytest
@@ -174,3 +176,13 @@ def test_evaluation_split_is_measured_but_never_compiled(tmp_path):
     assert cli.main(["--compile-only", "--out", str(prof), "--records", str(prof / RECORDS_FILE),
                      str(held / RECORDS_FILE)]) == 0
     assert "left out 1 evaluation-split cases" in (prof / "compile_report.md").read_text()
+
+
+def test_read_records_reads_gzipped_files_and_skips_torn_lines(tmp_path):
+    lines = [json.dumps({"type": "case", "case": "a"}), "{not json", json.dumps({"type": "plan", "case": "a"})]
+    plain, packed = tmp_path / "profile.jsonl", tmp_path / "kept.jsonl.gz"
+    plain.write_text("\n".join(lines) + "\n")
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    skipped: list = []
+    assert list(read_records([packed], skipped)) == list(read_records([plain])) == [json.loads(lines[0]), json.loads(lines[2])]
+    assert skipped == ["{not json\n"]

@@ -19,6 +19,7 @@ complete cases only.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -69,13 +70,14 @@ class Progress:
 
 
 def read_records(paths: Iterable[str | Path], skipped: list | None = None) -> Iterator[dict]:
-    """Every record of the given files. A line that is not JSON (a run killed mid-write) is skipped
+    """Every record of the given files (gzipped where the name ends in ``.gz``, as the records kept
+    under ``benchmarks/results/`` are). A line that is not JSON (a run killed mid-write) is skipped
     and counted in ``skipped`` when given."""
     for path in paths:
         path = Path(path)
         if not path.is_file():
             continue
-        with open(path) as f:
+        with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
             for line in f:
                 if not line.strip():
                     continue
