@@ -12,8 +12,7 @@ import sys
 import pytest
 import torch
 
-from tessera_diffusers import LogicalMask, build_mask_state
-from tessera_diffusers import cost_model
+from tessera_diffusers import LogicalMask, build_mask_state, cost_model
 from tessera_diffusers.catalog import catalog_hash, hopper_kernels, plans_for, portable_kernels
 from tessera_diffusers.cost_model import estimate_ms, masked_tile_slowdown
 from tessera_diffusers.eligibility import rejection
