@@ -147,7 +147,7 @@ def measure(mask: LogicalMask, q, k, v, scale: float, make_runtime: Callable[[],
 def kernel_alone(prepared: PreparedPlan, q, k, v, scale: float, reps: int) -> dict:
     """CUDA-event time of the bare launch (template built, output allocated beforehand): back to
     back, and each after a sync and an idle host pause of 1 ms."""
-    out, lse, workspace = ops.output_buffers(q, prepared.plan.tasks.num_splits, False)
+    out, lse, workspace, _ = ops.output_buffers(q, prepared.plan.tasks.num_splits, False)
     metadata = (prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order)
     template = ops.launch_template(q, k, metadata, prepared.plan.kernel.name, prepared.launch_config(), scale,
                                    (q.stride(), k.stride(), v.stride(), out.stride()))

@@ -19,11 +19,11 @@ import torch
 from .catalog import kernel_spec_from_row
 from .errors import CatalogError, InvalidArgumentError, NativeKernelError
 from .kernel_table import all_rows
-from .plans import KernelSpec
+from .plans import Family, KernelSpec
 from .prepare import PreparedPlan, WorkspaceLayout
 
 LIBRARY_FILE = "libtessera_kernels.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -61,6 +61,7 @@ class TesseraAttnParams(ctypes.Structure):
         ("tile_member", ctypes.c_void_p),
         ("q_order", ctypes.c_void_p),
         ("scale_log2", ctypes.c_float),
+        ("task_counter", ctypes.c_void_p),
     ]
 
 
@@ -182,18 +183,34 @@ def sparse_attention_fwd(
     ``kernel`` is a catalog kernel name; ``config = [num_q_tiles, capacity, slots, q_unit_log2,
     kv_unit_log2, num_splits, persistent]`` (see ``PreparedPlan.launch_config``)."""
     q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
-    out, lse, workspace = output_buffers(q, config[5], True)
+    out, lse, workspace, _ = output_buffers(q, config[5], True)
     launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, out, lse, workspace)
     return out, lse
 
 
-def output_buffers(q: torch.Tensor, num_splits: int, with_lse: bool):
-    """``(out [B, Sq, H, D], lse [B, H, Sq] fp32 or None, split-K workspace or None)`` for a launch."""
+def output_buffers(q: torch.Tensor, num_splits: int, with_lse: bool, task_counter: bool = False):
+    """``(out [B, Sq, H, D], lse [B, H, Sq] fp32 or None, split-K workspace or None, task counter
+    address or None)`` for a launch; ``task_counter``: a dynamically scheduled one
+    (``output_with_counter``)."""
     batch, seq_q, heads, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out, counter = output_with_counter(q) if task_counter else (torch.empty(q.shape, dtype=q.dtype, device=q.device), None)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device) if with_lse else None
     workspace = WorkspaceLayout.of(num_splits, *q.shape).allocate(q.device) if num_splits > 1 else None
-    return out, lse, workspace
+    return out, lse, workspace, counter
+
+
+# Bytes after the output that hold the task counter of a dynamically scheduled launch.
+TASK_COUNTER_BYTES = 16
+
+
+def output_with_counter(q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The output ``[B, Sq, H, D]`` of a dynamically scheduled launch and the address of its task
+    counter: one allocation, the counter in the 16 bytes after the output. The counter belongs to
+    this launch alone (the caching allocator hands the block to no one else until ``out`` is
+    freed and the stream has passed the launch), so launches on any streams never share one."""
+    numel = q.numel()
+    flat = torch.empty(numel + TASK_COUNTER_BYTES // q.element_size(), dtype=q.dtype, device=q.device)
+    return flat[:numel].view(q.shape), flat.data_ptr() + numel * q.element_size()
 
 
 @sparse_attention_fwd.register_fake
@@ -221,10 +238,14 @@ class LaunchTemplate:
         p.tile_member, p.q_order = tile_member.data_ptr(), q_order.data_ptr()
         return LaunchTemplate(self.kernel_id, p, self.merge)
 
-    def fill(self, q, k, v, out, lse, workspace) -> tuple[TesseraAttnParams, TesseraMergeParams | None]:
+    def fill(self, q, k, v, out, lse, workspace, task_counter: int | None = None
+             ) -> tuple[TesseraAttnParams, TesseraMergeParams | None]:
+        """Params of one launch; ``task_counter``: the address of this launch's own counter
+        (``output_with_counter``) for dynamic scheduling of a persistent grid, None for static."""
         p = TesseraAttnParams.from_buffer_copy(self.params)
         p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         p.lse = lse.data_ptr() if lse is not None else None
+        p.task_counter = task_counter
         m = None
         if self.merge is not None:
             assert workspace is not None  # internal: callers size it from PreparedPlan.workspace()
@@ -352,6 +373,12 @@ def run_native(
     return run_direct(prepared, q, k, v, scale, return_lse)
 
 
+def dynamic_schedule(plan) -> bool:
+    """Whether an eager launch of ``plan`` takes its tasks from a counter: persistent grids of the
+    Hopper family (the portable family and traced calls stride statically)."""
+    return plan.tasks.persistent and plan.kernel.family is Family.HOPPER
+
+
 def run_direct(prepared, q, k, v, scale, return_lse):
     """``run_native``'s eager path (same contract): cached template, output allocation, one launch."""
     q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
@@ -361,14 +388,15 @@ def run_direct(prepared, q, k, v, scale, return_lse):
     deferred = prepared.compaction_pending
     if deferred and torch.cuda.is_current_stream_capturing():
         prepared.pin()  # the graph replays these metadata pointers: settle() must never move them
-    out, lse, workspace = output_buffers(q, prepared.plan.tasks.num_splits, return_lse)
+    out, lse, workspace, counter = output_buffers(q, prepared.plan.tasks.num_splits, return_lse,
+                                                  dynamic_schedule(prepared.plan))
     if template is None:
         metadata = (prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order)
         template = templates[key] = launch_template(
             q, k, metadata, prepared.plan.kernel.name, prepared.launch_config(), scale,
             (q.stride(), k.stride(), v.stride(), out.stride()),
         )
-    p, m = template.fill(q, k, v, out, lse, workspace)
+    p, m = template.fill(q, k, v, out, lse, workspace, counter)
     launch_filled(template, p, m, q.device)
     if deferred:
         prepared.after_launch()

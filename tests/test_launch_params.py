@@ -81,7 +81,7 @@ def test_the_custom_op_launch_fills_the_same_fields(launches):
     q, k, v = random_qkv(1, 700, 700, 2, 128, torch.float16, torch.device("cpu"), seed=4)
     ops.run_direct(prepared, q, k, v, 0.1, True)
     direct = launches[-1][1]
-    out, lse, workspace = ops.output_buffers(q, 2, True)
+    out, lse, workspace, _ = ops.output_buffers(q, 2, True)
     ops.launch(q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
                kernel.name, prepared.launch_config(), 0.1, out, lse, workspace)
     _, p, m = launches[-1]
@@ -92,3 +92,43 @@ def test_the_custom_op_launch_fills_the_same_fields(launches):
             assert (list(a) if hasattr(a, "__len__") else a) == (list(b) if hasattr(b, "__len__") else b), name
     assert (p.o, p.lse, p.o_partial) == (out.data_ptr(), lse.data_ptr(), workspace[0].data_ptr())
     assert (m.o, m.lse_partial) == (out.data_ptr(), workspace[1].data_ptr())
+
+
+def test_persistent_hopper_launches_count_tasks_in_their_own_output(launches, monkeypatch):
+    """A persistent Hopper plan launched eagerly gets the address of a task counter just past its
+    output (one allocation per launch, so no two launches share one); the custom op, the portable
+    family and non-persistent grids stride statically (no counter)."""
+    from types import SimpleNamespace
+
+    from tessera_diffusers.catalog import hopper_kernels
+
+    # A persistent grid is sized from the device's SMs: an H200's here.
+    monkeypatch.setattr(ops, "ctas_per_sm", lambda kernel, index: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(multi_processor_count=132))
+    ops.unbound_template.cache_clear()
+
+    kernel = next(k for k in hopper_kernels() if (k.tile_q, k.tile_kv, k.head_dim, k.dtype) == (128, 128, 128, "bf16"))
+    if kernel.name not in ops.load_library().kernel_ids:
+        pytest.skip(f"{kernel.name} is not in this build of the library")
+    mask = random_mask(1, 2, 700, 700, 64, 64, density=0.4, seed=3)
+    q, k, v = random_qkv(1, 700, 700, 2, 128, torch.bfloat16, torch.device("cpu"), seed=4)
+    persistent = TaskOrganization(Traversal.LONGEST_FIRST, 1, persistent=True)
+    prepared = prepare(PhysicalPlan(64, 64, KvLayout.PACKED, persistent, kernel), build_mask_state(mask))
+    counters = set()
+    for _ in range(2):
+        out = ops.run_direct(prepared, q, k, v, 0.1, False)
+        p = launches[-1][1]
+        assert p.task_counter == out.data_ptr() + out.numel() * out.element_size() and p.grid_size == 132
+        counters.add(p.task_counter)
+        assert out.untyped_storage().nbytes() >= out.numel() * out.element_size() + ops.TASK_COUNTER_BYTES
+        del out
+    out, lse, workspace, counter = ops.output_buffers(q, 1, True)  # the custom op's body
+    ops.launch(q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
+               kernel.name, prepared.launch_config(), 0.1, out, lse, workspace)
+    assert counter is None and launches[-1][1].task_counter is None
+    for org, family_kernel in ((TaskOrganization(), kernel), (persistent, next(
+            k for k in portable_kernels() if (k.tile_q, k.tile_kv, k.head_dim, k.dtype) == (128, 128, 128, "bf16")))):
+        other = prepare(PhysicalPlan(64, 64, KvLayout.PACKED, org, family_kernel), build_mask_state(mask))
+        ops.run_direct(other, q, k, v, 0.1, False)
+        assert launches[-1][1].task_counter is None
+    ops.unbound_template.cache_clear()  # no template with this test's grid size outlives it

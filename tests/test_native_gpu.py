@@ -34,10 +34,14 @@ def fixed_kernel(family: str, tile_q: int, tile_kv: int, head_dim: int, dtype: s
 
 
 def plans_to_check(kernel, block_q, block_kv):
+    """Each layout with 1 and 3 splits, and a persistent grid with 3 splits (the Hopper family takes
+    its tasks from a counter there: ``ops.dynamic_schedule``)."""
     layouts = [KvLayout.CONTIGUOUS] + ([KvLayout.PACKED] if kernel.tile_kv > block_kv else [])
     for layout in layouts:
         for splits in SPLITS:
             yield PhysicalPlan(block_q, block_kv, layout, TaskOrganization(Traversal.LONGEST_FIRST, splits), kernel)
+        yield PhysicalPlan(block_q, block_kv, layout, TaskOrganization(Traversal.LONGEST_FIRST, 3, persistent=True),
+                           kernel)
 
 
 def device_request(q, k, mask, plan) -> Request:
@@ -124,6 +128,32 @@ def test_persistent_grid_matches(family):
     plan = PhysicalPlan(64, 64, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 1, persistent=True), kernel)
     out, lse = ops.run_native(prepare(plan, build_mask_state(mask)), q, k, v, 0.1, True)
     assert check_against_reference(out, lse, q, k, v, mask, 0.1).ok()
+
+
+@pytest.mark.parametrize("density", [0.3, 0.0])
+def test_dynamic_schedule_equals_static(density):
+    """A persistent Hopper grid launched eagerly takes its tasks from a counter of its own (zeroed
+    by the launch); the custom op strides statically. Each task's arithmetic is the same wherever
+    it runs: outputs equal bit for bit, for repeated launches of one prepared plan (the counter is
+    per launch) and for a mask whose every row is empty (every task hands over no Q)."""
+    from tessera_diffusers import ops
+
+    device = torch.device("cuda")
+    kernel = fixed_kernel("hopper", 128, 128, 128, "bf16")
+    mask = random_mask(2, 3, 5000, 4100, 64, 64, density=max(density, 0.01), seed=11, device=device)
+    if density == 0.0:
+        mask = type(mask).from_blocks(torch.zeros_like(mask.blocks), 64, 64, 5000, 4100)
+    plan = PhysicalPlan(64, 64, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 1, persistent=True), kernel)
+    assert ops.dynamic_schedule(plan)
+    prepared = prepare(plan, build_mask_state(mask))
+    q, k, v = random_qkv(2, 5000, 4100, 3, 128, torch.bfloat16, device, seed=11)
+    op_out, op_lse = torch.ops.tessera.sparse_attention_fwd(
+        q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
+        kernel.name, prepared.launch_config(), 0.09)
+    assert check_against_reference(op_out, op_lse, q, k, v, mask, 0.09).ok()
+    for _ in range(3):
+        out, lse = ops.run_direct(prepared, q, k, v, 0.09, True)
+        assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

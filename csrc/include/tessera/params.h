@@ -45,6 +45,9 @@ typedef struct TesseraAttnParams {
   const int32_t* q_order;      // [Bm, Hm, nQT]
 
   float scale_log2;      // softmax scale * log2(e)
+  int32_t* task_counter; // persistent grids of the Hopper family: one device int32 the launch zeroes
+                         // and the CTAs take their next task from (dynamic scheduling); NULL: each
+                         // CTA takes every grid_size-th task (static striding)
 } TesseraAttnParams;
 
 // Split-K merge: o_partial/lse_partial -> o (and lse when not NULL).
@@ -163,4 +166,4 @@ int tessera_mask_counts(const TesseraMaskCountsParams* params, int64_t* host_cou
 }
 #endif
 
-#define TESSERA_ABI_VERSION 2
+#define TESSERA_ABI_VERSION 3

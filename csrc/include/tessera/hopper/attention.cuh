@@ -6,7 +6,10 @@
 //                    softmax overlapped with the previous P V (mainloop.cuh), epilogue (epilogue.cuh).
 // 64 x 64 tiles run two CTAs per SM (traits.cuh), so two independent 64-row tasks share the SM.
 // The persistent task schedule (longest rows first, split-K parts) is shared with the portable
-// family (tessera/tasks.cuh), as is the metadata format (tessera_diffusers/prepare.py).
+// family (tessera/tasks.cuh), as is the metadata format (tessera_diffusers/prepare.py). A persistent
+// grid launched with a task counter (p.task_counter) runs attention_kernel<T, true>: each CTA takes
+// its next task from the counter when its producer has issued the loads of the current one, so
+// the longest-first order is load-balanced as one CTA per task is, without a CTA launch per task.
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -43,7 +46,9 @@ __device__ __forceinline__ ConsumerViews<TQ, TK, TV, CS, CO> make_views(TQ q, TK
   return {q, k, vt, cs, co, {int(get<0>(cs(0))), int(get<0>(cs(2)))}, int(get<1>(cs(0)))};
 }
 
-template <class T, class SmemQ, class SmemKV, class SmemVt>
+// kDynamic: the tasks come from the producer (producer_loop_dynamic), each through a q_full phase;
+// otherwise every gridDim.x-th task, the same sequence as the producer's.
+template <class T, bool kDynamic, class SmemQ, class SmemKV, class SmemVt>
 __device__ void consumer_loop(const TesseraAttnParams& p, SmemQ& sQ, SmemKV& sK, SmemVt& sVt,
                               PipelineBarriers<T::kStages>& bar) {
   const int ctid = threadIdx.x - T::kProducerThreads;
@@ -61,20 +66,36 @@ __device__ void consumer_loop(const TesseraAttnParams& p, SmemQ& sQ, SmemKV& sK,
   uint32_t q_phase = 0;
   const PingPong<T> turns{ctid / 128};
   turns.start();
-  const int64_t tasks = num_tasks(p);
-  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
-    const Task t = decode_task(p, task_id);
+  auto one_task = [&](const Task& t) {
     RowState<decltype(partition_fragment_C(mmas.pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{}))> st;
     static_assert(decltype(size(st.o))::value == T::kHeadDim / 2, "output accumulator: D / 2 values per thread");
     clear(st.o);
     st.row_max[0] = st.row_max[1] = -CUDART_INF_F;
     st.row_sum[0] = st.row_sum[1] = 0.f;
-    if (t.tile_end > t.tile_begin) consume_task<T>(p, t, mmas, views, st, bar, read_k, read_v, q_phase, turns);
+    if (t.tile_end > t.tile_begin)
+      consume_task<T, kDynamic>(p, t, mmas, views, st, bar, read_k, read_v, q_phase, turns);
+    else if constexpr (kDynamic)
+      Barrier::arrive(&bar.q_empty);  // a task with no tile: only its empty rows are written
     store_output<T>(p, t, st.o, st.row_max, st.row_sum, views.coords_o, views.row_of_half);
+  };
+  if constexpr (kDynamic) {
+    while (true) {
+      Barrier::wait(&bar.q_full, q_phase);
+      q_phase ^= 1u;
+      const int64_t task_id = *reinterpret_cast<volatile int64_t*>(&bar.task);
+      if (task_id < 0) return;
+      one_task(decode_task(p, task_id));
+    }
+  } else {
+    const int64_t tasks = num_tasks(p);
+    for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) one_task(decode_task(p, task_id));
   }
 }
 
-template <class T>
+// kDynamic: a persistent grid that takes its tasks from p.task_counter. It is its own kernel: with
+// both schedules compiled into one, the static one ran 6-8% slower on packed 16-token-slot plans
+// (benchmarks/results/h200_dynamic_schedule).
+template <class T, bool kDynamic = false>
 __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     attention_kernel(const __grid_constant__ TesseraAttnParams p, const __grid_constant__ TmaDescriptors tma) {
   using Element = typename T::Element;
@@ -89,15 +110,18 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
   Tensor sVt = make_tensor(make_smem_ptr(v_ptr), typename T::SmemLayoutVt{});
   __shared__ PipelineBarriers<T::kStages> bar;
 
-  if (threadIdx.x == 0) bar.init(1, T::kConsumerWarps);
+  if (threadIdx.x == 0) bar.init(1, T::kConsumerWarps, kDynamic ? T::kConsumerThreads : T::kConsumerWarps);
   __syncthreads();
 
   if (threadIdx.x < T::kProducerThreads) {
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-    producer_loop<T>(p, tma, raw_pointer_cast(sQ.data()), k_ptr, v_ptr, bar);
+    if constexpr (kDynamic)
+      producer_loop_dynamic<T>(p, tma, raw_pointer_cast(sQ.data()), k_ptr, v_ptr, bar);
+    else
+      producer_loop<T>(p, tma, raw_pointer_cast(sQ.data()), k_ptr, v_ptr, bar);
   } else {
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    consumer_loop<T>(p, sQ, sK, sVt, bar);
+    consumer_loop<T, kDynamic>(p, sQ, sK, sVt, bar);
   }
 }
 
@@ -108,7 +132,12 @@ int launch(const TesseraAttnParams& p, cudaStream_t stream) {
   if (num_tasks(p) == 0) return 0;
   const int err = make_tma_descriptors<T>(p, tma);
   if (err != 0) return err;
-  return launch_tasks(attention_kernel<T>, T::kThreads, T::kSmemBytes, p, stream, tma);
+  if (p.task_counter != nullptr) {  // dynamic scheduling: the CTAs count the tasks they take from zero
+    const cudaError_t zeroed = cudaMemsetAsync(p.task_counter, 0, sizeof(int32_t), stream);
+    if (zeroed != cudaSuccess) return int(zeroed);
+    return launch_tasks(attention_kernel<T, true>, T::kThreads, T::kSmemBytes, p, stream, tma);
+  }
+  return launch_tasks(attention_kernel<T, false>, T::kThreads, T::kSmemBytes, p, stream, tma);
 }
 
 }  // namespace tessera::hopper

@@ -146,15 +146,19 @@ struct RowState {
 
 // The consumer's work on one task with at least one KV tile: Q K^T, masking, softmax and P V over
 // the task's tiles, advancing the K and V read states. `o`, `row_max`, `row_sum` start cleared.
-template <class T, class Mmas, class Views, class State>
+// kDynamic (a dynamically scheduled grid): Q has already landed (its q_full phase also carried the
+// task), and every thread, not one per warp, releases it.
+template <class T, bool kDynamic = false, class Mmas, class Views, class State>
 __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const Task& t, Mmas& mmas, const Views& v,
                                              State& st, PipelineBarriers<T::kStages>& bar,
                                              PipeState<T::kStages>& read_k, PipeState<T::kStages>& read_v,
                                              uint32_t& q_phase, const PingPong<T>& turns) {
   using Element = typename T::Element;
   const int n = t.tile_end - t.tile_begin;
-  Barrier::wait(&bar.q_full, q_phase);
-  q_phase ^= 1u;
+  if constexpr (!kDynamic) {
+    Barrier::wait(&bar.q_full, q_phase);
+    q_phase ^= 1u;
+  }
 
   Tensor s = partition_fragment_C(mmas.qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});
   // P in the register layout of the A operand: ((2, 2, 2), 1, N / 16), the same value order as S.
@@ -173,7 +177,12 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
     warpgroup_fence_operand(s);
     release(&bar.k_empty[read_k.stage]);
     read_k.advance();
-    if (i == n - 1) release(&bar.q_empty);
+    if (i == n - 1) {
+      if constexpr (kDynamic)
+        Barrier::arrive(&bar.q_empty);
+      else
+        release(&bar.q_empty);
+    }
     if (a.needs_mask) mask_scores<T>(p, a, tile_slots(p, t, t.tile_begin + i), s, v.lane_col, v.row_of_half);
     online_softmax(s, st.row_max, st.row_sum, alpha, p.scale_log2);
   };

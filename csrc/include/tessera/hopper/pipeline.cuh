@@ -37,10 +37,16 @@ struct PipelineBarriers {
   uint64_t q_full, q_empty;
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
+  // Dynamic task scheduling (p.task_counter): the task whose Q the current q_full phase carries,
+  // -1 when the CTA has no task left. Written by the producer before it arrives on q_full (release),
+  // read by every consumer thread after its wait on it (acquire), rewritten only once q_empty has
+  // completed, which then counts every consumer thread (each arrives after its own read).
+  int64_t task;
 
-  __device__ void init(int producer_arrivals, int consumer_warps) {
+  // `q_releases`: arrivals that complete q_empty (consumer warps, or threads when scheduling is dynamic).
+  __device__ void init(int producer_arrivals, int consumer_warps, int q_releases) {
     Barrier::init(&q_full, producer_arrivals);
-    Barrier::init(&q_empty, consumer_warps);
+    Barrier::init(&q_empty, q_releases);
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&k_full[s], producer_arrivals);
       Barrier::init(&k_empty[s], consumer_warps);
@@ -85,46 +91,87 @@ __device__ __forceinline__ void load_kv_tile(const CUtensorMap* map, uint64_t* b
   }
 }
 
+// The loads of one task with tiles, once Q's buffer is free: Q (arming the q_full phase), then K
+// and V once per KV tile, each after the consumers have released the stage.
+template <class T>
+__device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaDescriptors& tma, const Task& t,
+                                          typename T::Element* q_smem, typename T::Element* k_smem,
+                                          typename T::Element* v_smem, PipelineBarriers<T::kStages>& bar,
+                                          PipeState<T::kStages>& write) {
+  using Element = typename T::Element;
+  constexpr int kHalves = T::kHeadDim / 64;
+  const int unit = 1 << p.kv_unit_log2;
+  TxBarrier::arrive_and_expect_tx(&bar.q_full, T::kTileQ * T::kHeadDim * int(sizeof(Element)));
+  CUTE_UNROLL
+  for (int dh = 0; dh < kHalves; ++dh)
+    SM90_TMA_LOAD_4D::copy(&tma.q, &bar.q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                           q_smem + dh * T::kTileQ * 64, dh * 64, t.q_tile * T::kTileQ, t.h, t.b);
+  for (int tile = t.tile_begin; tile < t.tile_end; ++tile) {
+    const int32_t* slots = tile_slots(p, t, tile);
+    int start[T::kMaxSlots];
+    CUTE_UNROLL
+    for (int j = 0; j < T::kMaxSlots; ++j) start[j] = j < p.slots ? max(__ldg(slots + j), 0) : 0;
+    const int64_t stage = int64_t(write.stage) * T::kTileKV * T::kHeadDim;
+    Barrier::wait(&bar.k_empty[write.stage], write.phase ^ 1u);
+    load_kv_tile<T>(&tma.k, &bar.k_full[write.stage], k_smem + stage, start, p.slots, unit, t);
+    Barrier::wait(&bar.v_empty[write.stage], write.phase ^ 1u);
+    load_kv_tile<T>(&tma.v, &bar.v_full[write.stage], v_smem + stage, start, p.slots, unit, t);
+    write.advance();
+  }
+}
+
 // The producer: walks the same task sequence as the consumers and fills Q once per task and K, V
 // once per KV tile, each after the consumers have released the buffer.
 template <class T>
 __device__ void producer_loop(const TesseraAttnParams& p, const TmaDescriptors& tma, typename T::Element* q_smem,
                               typename T::Element* k_smem, typename T::Element* v_smem,
                               PipelineBarriers<T::kStages>& bar) {
-  using Element = typename T::Element;
-  constexpr int kHalves = T::kHeadDim / 64;
   if (threadIdx.x != 0) return;
   cute::prefetch_tma_descriptor(&tma.q);
   cute::prefetch_tma_descriptor(&tma.k);
   cute::prefetch_tma_descriptor(&tma.v);
-  const int unit = 1 << p.kv_unit_log2;
   PipeState<T::kStages> write;
   uint32_t q_phase = 0;
   const int64_t tasks = num_tasks(p);
   for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
     const Task t = decode_task(p, task_id);
     if (t.tile_end <= t.tile_begin) continue;  // the consumers write the empty-row epilogue alone
-
     Barrier::wait(&bar.q_empty, q_phase ^ 1u);
-    TxBarrier::arrive_and_expect_tx(&bar.q_full, T::kTileQ * T::kHeadDim * int(sizeof(Element)));
-    CUTE_UNROLL
-    for (int dh = 0; dh < kHalves; ++dh)
-      SM90_TMA_LOAD_4D::copy(&tma.q, &bar.q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                             q_smem + dh * T::kTileQ * 64, dh * 64, t.q_tile * T::kTileQ, t.h, t.b);
     q_phase ^= 1u;
+    load_task<T>(p, tma, t, q_smem, k_smem, v_smem, bar, write);
+  }
+}
 
-    for (int tile = t.tile_begin; tile < t.tile_end; ++tile) {
-      const int32_t* slots = tile_slots(p, t, tile);
-      int start[T::kMaxSlots];
-      CUTE_UNROLL
-      for (int j = 0; j < T::kMaxSlots; ++j) start[j] = j < p.slots ? max(__ldg(slots + j), 0) : 0;
-      const int64_t stage = int64_t(write.stage) * T::kTileKV * T::kHeadDim;
-      Barrier::wait(&bar.k_empty[write.stage], write.phase ^ 1u);
-      load_kv_tile<T>(&tma.k, &bar.k_full[write.stage], k_smem + stage, start, p.slots, unit, t);
-      Barrier::wait(&bar.v_empty[write.stage], write.phase ^ 1u);
-      load_kv_tile<T>(&tma.v, &bar.v_full[write.stage], v_smem + stage, start, p.slots, unit, t);
-      write.advance();
+// The producer of a dynamically scheduled persistent grid (p.task_counter): CTA b starts with task
+// b and takes its next one from the counter once it has issued the loads of the current one. Every
+// task, with tiles or not, and the end (-1) are handed to the consumers through a q_full phase.
+template <class T>
+__device__ void producer_loop_dynamic(const TesseraAttnParams& p, const TmaDescriptors& tma,
+                                      typename T::Element* q_smem, typename T::Element* k_smem,
+                                      typename T::Element* v_smem, PipelineBarriers<T::kStages>& bar) {
+  if (threadIdx.x != 0) return;
+  cute::prefetch_tma_descriptor(&tma.q);
+  cute::prefetch_tma_descriptor(&tma.k);
+  cute::prefetch_tma_descriptor(&tma.v);
+  PipeState<T::kStages> write;
+  uint32_t q_phase = 0;
+  const int64_t tasks = num_tasks(p);
+  int64_t task_id = blockIdx.x;
+  while (true) {
+    Barrier::wait(&bar.q_empty, q_phase ^ 1u);
+    q_phase ^= 1u;
+    if (task_id >= tasks) {
+      bar.task = -1;
+      Barrier::arrive(&bar.q_full);
+      return;
     }
+    bar.task = task_id;
+    const Task t = decode_task(p, task_id);
+    if (t.tile_end > t.tile_begin)
+      load_task<T>(p, tma, t, q_smem, k_smem, v_smem, bar, write);
+    else
+      Barrier::arrive(&bar.q_full);  // no Q to load: the consumers only write the empty rows
+    task_id = int64_t(gridDim.x) + atomicAdd(p.task_counter, 1);
   }
 }
 
