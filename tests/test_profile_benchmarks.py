@@ -57,3 +57,29 @@ def test_selection_regret_reads_profile_records_and_their_abandoned_plans():
     assert set(cases) == {"c1"}
     assert cases["c1"]["plans"] == {"fast": 1.0, "slow": 1.6}
     assert cases["c1"]["abandoned"] == {"slow"}
+
+
+def test_ptxas_report_reads_both_schedules_and_spills(tmp_path):
+    """benchmarks/ptxas_report.py on a log in ptxas's format: one row per Hopper attention kernel
+    (static and dynamic schedule), spills and static shared memory read, other kernels ignored."""
+    log = tmp_path / "ptxas.log"
+    name = "_ZN7tessera6hopper16attention_kernelINS0_6TraitsILi128ELi64ELi128ELi3EN7cutlass{}_tEEELb{}EEEv17TesseraAttnParamsNS0_14TmaDescriptorsE"
+    log.write_text("\n".join([
+        "== hopper_t128x64_d128_fp16_s3_w8_sm90a.cu (11s)",
+        f"ptxas info    : Compiling entry function '{name.format('6half', 1)}' for 'sm_90a'",
+        "    0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads",
+        "ptxas info    : Used 168 registers, used 16 barriers, 128 bytes smem",
+        f"ptxas info    : Compiling entry function '{name.format('10bfloat16', 0)}' for 'sm_90a'",
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+        "ptxas info    : Used 168 registers, used 16 barriers, 24 bytes cumulative stack size, 128 bytes smem",
+        "ptxas info    : Compiling entry function '_ZN7tessera8portable16attention_kernelINS0_6TraitsILi64E' for 'sm_80'",
+        "ptxas info    : Used 96 registers, used 1 barriers",
+    ]))
+    report = load("ptxas_report")
+    rows = report.parse(log.read_text())
+    assert [(r["dtype"], r["schedule"], r["spills"], r["registers"], r["smem"]) for r in rows] == [
+        ("fp16", "dynamic", (8, 12), 168, 128), ("bf16", "static", (0, 0), 168, 128)]
+    md = tmp_path / "out.md"
+    assert report.main(["--log", str(log), "--md", str(md)]) == 0
+    assert "| 128x64 | 128 | 3 | fp16 | dynamic | 168 | 8 / 12 | 128 |" in md.read_text()
+    assert "2 kernels, 1 with spills." in md.read_text()
