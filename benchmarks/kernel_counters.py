@@ -21,6 +21,8 @@ import dataclasses
 import math
 import re
 import sys
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -39,7 +41,9 @@ def case_mask(spec: str, heads: int, device: torch.device) -> LogicalMask:
     return case.build(device)
 
 
-def timed_ms(fn, reps: int) -> float:
+def timed_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median CUDA-event time of ``fn`` over ``reps`` calls, each from an idle stream (a sync after
+    every call, so a call's host launch work is inside its time, alike for every plan compared)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             acc = check_against_reference(out[:, :, :2], lse[:, :2], q[:, :, :2], k[:, :, :2], v[:, :, :2],
                                           head_slice(mask, 2))
             failures += not acc.ok()
-            run = lambda: ops.run_native(prepared, q, k, v, scale, False)  # noqa: E731
+            run = partial(ops.run_native, prepared, q, k, v, scale, False)
             for _ in range(args.warmup):
                 run()
             torch.cuda.synchronize()
@@ -106,16 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{spec:<32} {density:7.3f} {plan.name:<72} {ms:7.3f} {flops / ms / 1e9:6.0f}"
                   f"{'' if acc.ok() else '  ORACLE MISMATCH'}", flush=True)
             if args.static and plan.tasks.persistent and args.reps > 0:
-                static = lambda: torch.ops.tessera.sparse_attention_fwd(  # noqa: E731
-                    q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
-                    plan.kernel.name, prepared.launch_config(), scale)
+                static = partial(
+                    torch.ops.tessera.sparse_attention_fwd, q, k, v, prepared.tile_counts, prepared.tile_slots,
+                    prepared.tile_member, prepared.q_order, plan.kernel.name, prepared.launch_config(), scale)
                 static()
                 ms = timed_ms(static, args.reps)
                 print(f"{spec:<32} {density:7.3f} {plan.name + ' (static)':<72} {ms:7.3f} {flops / ms / 1e9:6.0f}",
                       flush=True)
         if spec.endswith("/dense"):
-            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            sdpa = partial(torch.nn.functional.scaled_dot_product_attention,
+                           q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
                 sdpa()
                 ms = timed_ms(sdpa, args.reps) if args.reps > 0 else math.nan

@@ -46,9 +46,13 @@ def parse(text: str) -> list[dict]:
     return rows
 
 
+def row_order(r: dict) -> tuple:
+    """Tile rows, tile columns, head dim, stages, dtype, schedule: the table's order."""
+    tile_q, tile_kv = (int(x) for x in r["tile"].split("x"))
+    return tile_q, tile_kv, r["head_dim"], r["stages"], r["dtype"], r["schedule"]
+
+
 def markdown(rows: list[dict]) -> str:
-    key = lambda r: (int(r["tile"].split("x")[0]), int(r["tile"].split("x")[1]), r["head_dim"], r["stages"],  # noqa: E731
-                     r["dtype"], r["schedule"])
     lines = [
         "# ptxas -v of the Hopper attention kernels (sm_90a)",
         "",
@@ -62,7 +66,7 @@ def markdown(rows: list[dict]) -> str:
         "| tile | D | stages | dtype | schedule | registers (launch) | spill stores / loads (bytes) | static smem (bytes) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=key):
+    for r in sorted(rows, key=row_order):
         stores, loads = r.get("spills", (0, 0))
         lines.append(f"| {r['tile']} | {r['head_dim']} | {r['stages']} | {r['dtype']} | {r['schedule']} | "
                      f"{r['registers']} | {stores} / {loads} | {r['smem']} |")

@@ -19,7 +19,7 @@ import torch
 from .catalog import kernel_spec_from_row
 from .errors import CatalogError, InvalidArgumentError, NativeKernelError
 from .kernel_table import all_rows
-from .plans import Family, KernelSpec
+from .plans import Family, KernelSpec, PhysicalPlan
 from .prepare import PreparedPlan, WorkspaceLayout
 
 LIBRARY_FILE = "libtessera_kernels.so"
@@ -373,7 +373,7 @@ def run_native(
     return run_direct(prepared, q, k, v, scale, return_lse)
 
 
-def dynamic_schedule(plan) -> bool:
+def dynamic_schedule(plan: PhysicalPlan) -> bool:
     """Whether an eager launch of ``plan`` takes its tasks from a counter: persistent grids of the
     Hopper family (the portable family and traced calls stride statically)."""
     return plan.tasks.persistent and plan.kernel.family is Family.HOPPER
