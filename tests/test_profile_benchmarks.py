@@ -83,3 +83,31 @@ def test_ptxas_report_reads_both_schedules_and_spills(tmp_path):
     assert report.main(["--log", str(log), "--md", str(md)]) == 0
     assert "| 128x64 | 128 | 3 | fp16 | dynamic | 168 | 8 / 12 | 128 |" in md.read_text()
     assert "2 kernels, 1 with spills." in md.read_text()
+
+
+def test_sass_report_counts_hgmma_per_kernel(tmp_path):
+    """benchmarks/sass_report.py on a listing in cuobjdump -sass's format: one row per Hopper
+    attention kernel with its HGMMA, TMA-load and instruction counts (NOPs and other kernels out)."""
+    name = "_ZN7tessera6hopper16attention_kernelINS0_6TraitsILi64ELi64ELi128ELi2EN7cutlass10bfloat16_tEEELb{}EEEv17TesseraAttnParamsNS0_14TmaDescriptorsE"
+    sass = tmp_path / "lib.sass"
+    sass.write_text("\n".join([
+        "\tcode for sm_90a",
+        f"\t\tFunction : {name.format(1)}",
+        "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+        "        /*0010*/              @!P0 UTMALDG.4D [UR8], [UR4] ;",
+        "        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;",
+        "        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;",
+        "        /*0040*/                   NOP;",
+        "\t\tFunction : _ZN7tessera8portable16attention_kernelINS0_6TraitsILi64E",
+        "        /*0000*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",
+        f"\t\tFunction : {name.format(0)}",
+        "        /*0000*/                   EXIT ;",
+    ]))
+    report = load("sass_report")
+    rows = report.parse(sass.read_text())
+    assert [(r["schedule"], r["hgmma"], r["tma"], r["instructions"]) for r in rows] == [
+        ("dynamic", 2, 1, 4), ("static", 0, 0, 1)]
+    md = tmp_path / "out.md"
+    assert report.main(["--sass", str(sass), "--md", str(md)]) == 0
+    assert "| 64x64 | 128 | 2 | bf16 | dynamic | 2 | 1 | 4 |" in md.read_text()
+    assert "2 kernels, 1 without HGMMA." in md.read_text()

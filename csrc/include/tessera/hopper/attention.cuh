@@ -8,8 +8,9 @@
 // The persistent task schedule (longest rows first, split-K parts) is shared with the portable
 // family (tessera/tasks.cuh), as is the metadata format (tessera_diffusers/prepare.py). A persistent
 // grid launched with a task counter (p.task_counter) runs attention_kernel<T, true>: each CTA takes
-// its next task from the counter when its producer has issued the loads of the current one, so
-// the longest-first order is load-balanced as one CTA per task is, without a CTA launch per task.
+// its next task from the counter when its producer has issued the loads of the current one (the
+// producer decodes it and hands it to the consumers in shared memory), so the longest-first order
+// is load-balanced as one CTA per task is, without a CTA launch per task.
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -82,9 +83,9 @@ __device__ void consumer_loop(const TesseraAttnParams& p, SmemQ& sQ, SmemKV& sK,
     while (true) {
       Barrier::wait(&bar.q_full, q_phase);
       q_phase ^= 1u;
-      const int64_t task_id = *reinterpret_cast<volatile int64_t*>(&bar.task);
-      if (task_id < 0) return;
-      one_task(decode_task(p, task_id));
+      const Task t = handed_task(bar.task);
+      if (t.b < 0) return;
+      one_task(t);
     }
   } else {
     const int64_t tasks = num_tasks(p);

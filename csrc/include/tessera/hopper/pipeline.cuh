@@ -38,10 +38,11 @@ struct PipelineBarriers {
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
   // Dynamic task scheduling (p.task_counter): the task whose Q the current q_full phase carries,
-  // -1 when the CTA has no task left. Written by the producer before it arrives on q_full (release),
-  // read by every consumer thread after its wait on it (acquire), rewritten only once q_empty has
-  // completed, which then counts every consumer thread (each arrives after its own read).
-  int64_t task;
+  // decoded by the producer (b = -1 when the CTA has no task left). Written by the producer before
+  // it arrives on q_full (release), read by every consumer thread after its wait on it (acquire),
+  // rewritten only once q_empty has completed, which then counts every consumer thread (each
+  // arrives after its own read).
+  Task task;
 
   // `q_releases`: arrivals that complete q_empty (consumer warps, or threads when scheduling is dynamic).
   __device__ void init(int producer_arrivals, int consumer_warps, int q_releases) {
@@ -56,6 +57,21 @@ struct PipelineBarriers {
     cutlass::arch::fence_barrier_init();
   }
 };
+
+// The task the producer handed over in `slot` (PipelineBarriers::task), read once the q_full
+// phase that carries it has completed.
+__device__ __forceinline__ Task handed_task(const Task& slot) {
+  const volatile Task& v = slot;
+  Task t;
+  t.b = v.b;
+  t.h = v.h;
+  t.q_tile = v.q_tile;
+  t.split = v.split;
+  t.tile_begin = v.tile_begin;
+  t.tile_end = v.tile_end;
+  t.meta_row = v.meta_row;
+  return t;
+}
 
 // Position in a ring of kStages buffers: the stage and the parity of its current phase.
 template <int kStages>
@@ -158,15 +174,18 @@ __device__ void producer_loop_dynamic(const TesseraAttnParams& p, const TmaDescr
   const int64_t tasks = num_tasks(p);
   int64_t task_id = blockIdx.x;
   while (true) {
+    // Decoded before the wait: its metadata reads overlap the consumers' last tiles.
+    const bool done = task_id >= tasks;
+    Task t{};
+    if (!done) t = decode_task(p, task_id);
     Barrier::wait(&bar.q_empty, q_phase ^ 1u);
     q_phase ^= 1u;
-    if (task_id >= tasks) {
-      bar.task = -1;
+    if (done) {
+      bar.task.b = -1;
       Barrier::arrive(&bar.q_full);
       return;
     }
-    bar.task = task_id;
-    const Task t = decode_task(p, task_id);
+    bar.task = t;
     if (t.tile_end > t.tile_begin)
       load_task<T>(p, tma, t, q_smem, k_smem, v_smem, bar, write);
     else
