@@ -111,3 +111,27 @@ def test_sass_report_counts_hgmma_per_kernel(tmp_path):
     assert report.main(["--sass", str(sass), "--md", str(md)]) == 0
     assert "| 64x64 | 128 | 2 | bf16 | dynamic | 2 | 1 | 4 |" in md.read_text()
     assert "2 kernels, 1 without HGMMA." in md.read_text()
+
+
+def test_schedule_ratios_pairs_lpt_and_persistent_of_one_case(tmp_path):
+    """benchmarks/schedule_ratios.py: persistent / lpt of the same plan on the same case, grouped
+    by (family, mapping, tile, stages), with KV tiles per row from the case's density; plans timed
+    one way only, failed plans and other task organizations are left out."""
+    plan = "direct_q64k64_from_q64k64_d128_bf16_sm90a_hopper_s2w4_{}"
+    case = {"type": "case", "case": "c1", "family": "Q64K64", "stats": {"density": 0.25},
+            "request": {"seq_len_kv": 1024}}
+    records = [case,
+               {"type": "plan", "case": "c1", "plan": plan.format("lpt"), "status": "ok", "latency_ms": 2.0},
+               {"type": "plan", "case": "c1", "plan": plan.format("lpt-persistent"), "status": "ok", "latency_ms": 1.5},
+               {"type": "plan", "case": "c1", "plan": plan.format("rowmajor"), "status": "ok", "latency_ms": 1.0},
+               {"type": "plan", "case": "c1", "plan": plan.replace("s2w4", "s3w4").format("lpt"), "status": "ok",
+                "latency_ms": 1.0},
+               {"type": "plan", "case": "c1", "plan": plan.replace("s2w4", "s3w4").format("lpt-persistent"),
+                "status": "invalid"}]
+    path = tmp_path / "profile.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    report = load("schedule_ratios")
+    assert dict(report.ratios(records)) == {("Q64K64", "direct", "64x64", 2, "hopper"): [(4.0, 0.75)]}
+    md = tmp_path / "out.md"
+    assert report.main([str(path), "--md", str(md)]) == 0
+    assert "| Q64K64 | direct | 64x64 | 2 | hopper | 1 | 4.0 | 0.750 | 0.750 | 0.750 |" in md.read_text()
