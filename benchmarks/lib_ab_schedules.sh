@@ -2,7 +2,7 @@
 # One device call: this tree's library against other builds of the kernel library ($AB_LIB: paths
 # of libtessera_kernels.so, e.g. built with csrc/build_native.py --only ... --out DIR and carried),
 # one CTA per task (lpt) and persistent grids of the same plans, every plan checked against the
-# oracle first (benchmarks/kernel_counters.py); two rounds, interleaved. Then Nsight Compute's stall
+# oracle first (benchmarks/kernel_counters.py); AB_ROUNDS rounds (2), interleaved. Then Nsight Compute's stall
 # reasons of the first case's 64 x 64 plans under both schedules (this tree's library; AB_NCU=0: not).
 #   OUT=$OUT AB_LIB="v1/libtessera_kernels.so v2/libtessera_kernels.so" bash benchmarks/lib_ab_schedules.sh
 set -u
@@ -14,7 +14,7 @@ for c in ${AB_CASES:-Q16K16/sliding_tile Q64K64/temporal_heads Q64K64-HD/sliding
 done
 P="--plan (direct|coarsened-packed|refined)_q(64k64|128k128)_from.*hopper_s2w[48]_lpt(-persistent)?$ --reps ${AB_REPS:-20} --warmup 3"
 read -r -a LIBS <<< "base ${AB_LIB:-}"
-for r in 1 2; do
+for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   for lib in "${LIBS[@]}"; do
     tag=$(basename "$(dirname "$lib")"); [ "$lib" = base ] && tag=base
     echo "== $tag, round $r"

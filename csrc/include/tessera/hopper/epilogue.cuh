@@ -26,6 +26,10 @@ __device__ __forceinline__ void store_output(const TesseraAttnParams& p, const T
   }
   const bool split = p.num_splits > 1;
   const int64_t rows_per_split = int64_t(p.batch) * p.heads * p.seq_q;
+  // A thread's two values of a pair are adjacent columns starting at an even one: one 32-bit store
+  // where the output's base and strides keep such pairs 4-byte aligned, two 16-bit stores otherwise.
+  const bool paired = (reinterpret_cast<uintptr_t>(p.o) & 3u) == 0 &&
+                      ((p.o_stride[0] | p.o_stride[1] | p.o_stride[2]) & 1) == 0;
   CUTE_UNROLL
   for (int e = 0; e < size(o); e += 2) {
     const int half = (e >> 1) & 1;
@@ -39,8 +43,13 @@ __device__ __forceinline__ void store_output(const TesseraAttnParams& p, const T
     } else {
       Element* out = static_cast<Element*>(p.o) + int64_t(t.b) * p.o_stride[0] + int64_t(row) * p.o_stride[1] +
                      int64_t(t.h) * p.o_stride[2] + col;
-      out[0] = static_cast<Element>(v0);
-      out[1] = static_cast<Element>(v1);
+      const Element e0 = static_cast<Element>(v0), e1 = static_cast<Element>(v1);
+      if (paired) {
+        *reinterpret_cast<uint32_t*>(out) = uint32_t(e0.raw()) | (uint32_t(e1.raw()) << 16);
+      } else {
+        out[0] = e0;
+        out[1] = e1;
+      }
     }
   }
   if ((threadIdx.x & 3) == 0) {
