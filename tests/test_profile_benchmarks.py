@@ -135,3 +135,24 @@ def test_schedule_ratios_pairs_lpt_and_persistent_of_one_case(tmp_path):
     md = tmp_path / "out.md"
     assert report.main([str(path), "--md", str(md)]) == 0
     assert "| Q64K64 | direct | 64x64 | 2 | hopper | 1 | 4.0 | 0.750 | 0.750 | 0.750 |" in md.read_text()
+
+
+def test_selection_regret_mask_cache_round_trips(tmp_path):
+    """benchmarks/selection_regret.py --mask-cache: the second run reads back the very mask the
+    first built (bit-packed, any block count), without building it again."""
+    import torch
+
+    from tessera_diffusers import LogicalMask
+
+    report = load("selection_regret")
+    blocks = torch.rand(1, 3, 5, 7, generator=torch.Generator().manual_seed(0)) < 0.4  # 105 bits: not a multiple of 8
+    mask = LogicalMask.from_blocks(blocks, 64, 64, 300, 420)
+    built = report.cached_mask(tmp_path, "case/a", lambda: mask)
+    assert built is mask
+
+    def must_not_build():
+        raise AssertionError("the cached mask should have been read")
+
+    again = report.cached_mask(tmp_path, "case/a", must_not_build)
+    assert torch.equal(again.blocks, blocks)
+    assert (again.block_q, again.block_kv, again.seq_len_q, again.seq_len_kv) == (64, 64, 300, 420)
