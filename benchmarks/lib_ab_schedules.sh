@@ -2,8 +2,9 @@
 # One device call: this tree's library against other builds of the kernel library ($AB_LIB: paths
 # of libtessera_kernels.so, e.g. built with csrc/build_native.py --only ... --out DIR and carried),
 # one CTA per task (lpt) and persistent grids of the same plans, every plan checked against the
-# oracle first (benchmarks/kernel_counters.py); AB_ROUNDS rounds (2), interleaved. Then Nsight Compute's stall
-# reasons of the first case's 64 x 64 plans under both schedules (this tree's library; AB_NCU=0: not).
+# oracle first (benchmarks/kernel_counters.py); AB_ROUNDS rounds (default 2), interleaved; AB_CASES,
+# AB_REPS. Then Nsight Compute's stall reasons of the first case's 64 x 64 plans under both
+# schedules (this tree's library; AB_NCU=0 skips it). The library tag is its directory's name.
 #   OUT=$OUT AB_LIB="v1/libtessera_kernels.so v2/libtessera_kernels.so" bash benchmarks/lib_ab_schedules.sh
 set -u
 OUT=${OUT:-/tmp/lib_ab}
