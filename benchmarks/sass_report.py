@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ptxas_report import DTYPES, KERNEL, row_order  # noqa: E402  (the same mangled-name reading)
+from ptxas_report import DTYPES, KERNEL, row_order  # the same mangled-name reading
 
 FUNCTION = re.compile(r"^\s*Function : (\S+)")
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")

@@ -22,9 +22,7 @@ Rebuilding the corpus masks is most of the time (about 5 s per 32k-token case on
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
-import json
 import math
 from pathlib import Path
 
@@ -34,8 +32,8 @@ from tessera_diffusers import LogicalMask, build_mask_state
 from tessera_diffusers.corpus import CaseSpec
 from tessera_diffusers.corpus.grids import grid_named
 from tessera_diffusers.plan_table import load_plan_table
-from tessera_diffusers.profile.records import request_from_dict
 from tessera_diffusers.plans import DTYPE_NAMES, Request
+from tessera_diffusers.profile.records import read_records, request_from_dict
 from tessera_diffusers.selector import AUTO, Selector
 
 
@@ -43,8 +41,7 @@ def load_cases(path: Path) -> dict[str, dict]:
     """case name -> {"record": first record of the case, "plans": {plan name: kernel ms}}: a kernel
     study's records, or a ``tessera profile`` run's (``--split evaluation`` for held-out cases;
     records files may be gzipped)."""
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = list(read_records([path]))
     if records and "type" in records[0]:
         return profile_cases(records)
     cases: dict[str, dict] = {}
@@ -111,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask-cache", type=Path, default=None,
                         help="keep built masks here and reuse them on the next run")
     args = parser.parse_args(argv)
+    if not args.records.is_file():
+        parser.error(f"records: no file {args.records}")
 
     if args.table is None or args.table == [AUTO]:
         selectors = {"table": Selector(table=AUTO)}
