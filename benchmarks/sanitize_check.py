@@ -1,6 +1,11 @@
 """A small run of representative native plans for compute-sanitizer (memcheck / racecheck /
-synccheck): contiguous, packed, refined, split-K and persistent, partial blocks and empty rows; one
-case per Hopper template on sm90 (two for the 64 x 64 tile, which runs two CTAs per SM)."""
+synccheck): contiguous, packed, refined, split-K and persistent, partial blocks and empty rows; six
+Hopper cases on sm90 (two for the 64 x 64 tile, which runs two CTAs per SM).
+
+``--every-kernel`` runs every Hopper kernel of the library twice instead, once per task schedule:
+a direct plan on the static schedule (longest-first, row-major and split-K in turn) and a
+persistent plan on the dynamic one (coarsened-packed and refined in turn), so each compiled
+kernel (tile x head dim x dtype x stages x schedule) is exercised under the sanitizer."""
 
 from __future__ import annotations
 
@@ -32,20 +37,52 @@ HOPPER_CASES = [
 ]
 
 
+STATIC_ORGS = (TaskOrganization(), TaskOrganization(Traversal.ROW_MAJOR),
+               TaskOrganization(Traversal.LONGEST_FIRST, 2))
+
+
+def case_sizes(block_q: int, block_kv: int) -> tuple[int, int]:
+    """Query and key lengths of a case: partial last blocks, rows of several tiles."""
+    return max(3 * block_q, 512) + 19, max(4 * block_kv, 1024) - 3
+
+
+def every_hopper_kernel(kernels) -> list[tuple]:
+    """Two cases per Hopper kernel: a direct plan on the static schedule and a persistent plan on
+    the dynamic one, each in the shape of ``HOPPER_CASES``."""
+    cases = []
+    for i, k in enumerate(sorted((k for k in kernels if k.family.value == "hopper"), key=lambda k: k.name)):
+        key = (k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps)
+        cases.append(((k.tile_q, k.tile_kv), "hopper", key, KvLayout.CONTIGUOUS, STATIC_ORGS[i % 3]))
+        if i % 2:  # refined: logical blocks twice the tile
+            cases.append(((2 * k.tile_q, 2 * k.tile_kv), "hopper", key, KvLayout.CONTIGUOUS,
+                          TaskOrganization(persistent=True)))
+        else:  # coarsened query blocks, KV blocks packed into the tile
+            cases.append(((k.tile_q // 2, 16), "hopper", key, KvLayout.PACKED, TaskOrganization(persistent=True)))
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--family", choices=("portable", "hopper"), default=None, help="only this kernel family")
+    parser.add_argument("--every-kernel", action="store_true",
+                        help="every Hopper kernel of the library, once per task schedule (replaces the fixed cases)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    cases = PORTABLE_CASES + (HOPPER_CASES if torch.cuda.get_device_capability() == (9, 0) else [])
-    cases = [c for c in cases if args.family in (None, c[1])]
     built = ops.load_library().kernel_ids
-    kernels = {(k.family.value, (k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps)): k
-               for k in all_kernels() if k.name in built}
+    library = [k for k in all_kernels() if k.name in built]
+    kernels = {(k.family.value, (k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps)): k for k in library}
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if args.every_kernel:
+        cases = every_hopper_kernel(library) if hopper else []
+    else:
+        cases = PORTABLE_CASES + (HOPPER_CASES if hopper else [])
+        cases = [c for c in cases if args.family in (None, c[1])]
+    if not cases:
+        parser.error("no case to run: --every-kernel needs an sm90 GPU and a library with Hopper kernels")
     failures = 0
     for (bq, bkv), family, key, layout, org in cases:
         kernel = kernels[(family, key)]
-        seq_q, seq_kv = max(3 * bq, 512) + 19, max(4 * bkv, 1024) - 3  # partial blocks, rows of several tiles
+        seq_q, seq_kv = case_sizes(bq, bkv)
         mask = random_mask(1, 2, seq_q, seq_kv, bq, bkv, density=0.4, seed=bq, device=device)
         q, k, v = random_qkv(1, seq_q, seq_kv, 2, kernel.head_dim, kernel.torch_dtype, device, seed=bq)
         plan = PhysicalPlan(bq, bkv, layout, org, kernel)

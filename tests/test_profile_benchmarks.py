@@ -156,3 +156,28 @@ def test_selection_regret_mask_cache_round_trips(tmp_path):
     again = report.cached_mask(tmp_path, "case/a", must_not_build)
     assert torch.equal(again.blocks, blocks)
     assert (again.block_q, again.block_kv, again.seq_len_q, again.seq_len_kv) == (64, 64, 300, 420)
+
+
+def test_sanitize_every_kernel_covers_each_hopper_kernel_once_per_schedule():
+    """benchmarks/sanitize_check.py --every-kernel: every Hopper kernel of the catalog runs twice,
+    once on the static schedule and once persistent (the dynamic one), and every plan is eligible
+    for the case's sizes (a rejected plan would only fail on the GPU host)."""
+    from tessera_diffusers import PhysicalPlan
+    from tessera_diffusers.catalog import all_kernels
+    from tessera_diffusers.eligibility import rejection
+    from tessera_diffusers.plans import Request
+
+    report = load("sanitize_check")
+    hopper = [k for k in all_kernels() if k.family.value == "hopper"]
+    cases = report.every_hopper_kernel(all_kernels())
+    by_key = {(k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps): k for k in hopper}
+    seen = {}
+    for (bq, bkv), family, key, layout, org in cases:
+        kernel = by_key[key]
+        plan = PhysicalPlan(bq, bkv, layout, org, kernel)
+        seq_q, seq_kv = report.case_sizes(bq, bkv)
+        request = Request(1, 2, seq_q, seq_kv, kernel.head_dim, kernel.dtype, bq, bkv, "sm90", False)
+        assert rejection(plan, request) is None, plan.name
+        seen.setdefault(kernel.name, []).append(org.persistent)
+    assert sorted(seen) == sorted(k.name for k in hopper)
+    assert all(sorted(v) == [False, True] for v in seen.values())
