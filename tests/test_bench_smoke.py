@@ -58,8 +58,14 @@ def test_smoke_run_writes_its_files(tmp_path) -> None:
     assert payload["environment"]["torch"] == torch.__version__
     markdown = (out / "results.md").read_text()
     assert "# Tessera benchmark" in markdown and "Q64K64-DD" in markdown and "torch " + torch.__version__ in markdown
-    # The report can be rebuilt from the records alone.
+    # The report can be rebuilt from the records alone, and it keeps the measuring run's environment
+    # (a report rebuilt on another machine must not name that machine's GPU, versions or timer).
+    payload["environment"].update(gpu="NVIDIA H200", capability="sm90", torch="2.11.0+cu130")
+    (out / "results.json").write_text(json.dumps(payload))
     assert cli.main(["--smoke", "--out", str(out), "--no-progress", "--report-only"]) == 0
+    rebuilt = (out / "results.md").read_text()
+    assert "NVIDIA H200 sm90" in rebuilt and "torch 2.11.0+cu130" in rebuilt and "CUDA-event timings" in rebuilt
+    assert json.loads((out / "results.json").read_text())["environment"]["gpu"] == "NVIDIA H200"
 
 
 def test_flex_block_mask_is_the_logical_mask() -> None:

@@ -140,11 +140,24 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def measured_environment(out_dir: Path) -> dict | None:
+    """The environment of the run that measured ``out_dir``'s records (its ``results.json``), so a
+    report rebuilt elsewhere still names the GPU, the versions and the timer of the measurement."""
+    path = out_dir / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        env = json.loads(path.read_text()).get("environment")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return env if isinstance(env, dict) else None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run (or with ``--report-only`` re-report) a benchmark; see the module docstring."""
     config = config_from_args(args)
     device = torch.device(config.device)
-    if device.type == "cpu" and not args.smoke:
+    if device.type == "cpu" and not args.smoke and not args.report_only:
         print("tessera bench: no CUDA device, measuring on the CPU (use --smoke for the tiny configuration)",
               file=sys.stderr)
     out_dir = Path(config.out_dir)
@@ -152,10 +165,12 @@ def run(args: argparse.Namespace) -> int:
         records, _ = load_done(out_dir / RECORDS_FILE)
         unavailable_path = out_dir / "unavailable.json"
         unavailable = json.loads(unavailable_path.read_text()) if unavailable_path.is_file() else {}
+        env = measured_environment(out_dir) or environment(device)
     else:
         records, unavailable = run_benchmark(config, log=lambda m: print(m, file=sys.stderr))
+        env = environment(device)
     summary = summarize(records)
-    written = write_reports(out_dir, config, environment(device), records, summary, unavailable)
+    written = write_reports(out_dir, config, env, records, summary, unavailable)
     print(f"tessera bench: {len(records)} records, wrote {', '.join(written)} to {out_dir}")
     invalid = [r for r in records if r.get("kind") == "tessera" and r.get("status") == "invalid"]
     for r in invalid[:10]:
