@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", choices=("portable", "hopper"), default=None, help="only this kernel family")
     parser.add_argument("--every-kernel", action="store_true",
                         help="every Hopper kernel of the library, once per task schedule (replaces the fixed cases)")
+    parser.add_argument("--start", type=int, default=0,
+                        help="skip the first START cases (to finish a sanitizer run that hit its time limit)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     built = ops.load_library().kernel_ids
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cases = PORTABLE_CASES + (HOPPER_CASES if hopper else [])
         cases = [c for c in cases if args.family in (None, c[1])]
+    cases = cases[args.start:]
     if not cases:
         parser.error("no case to run: --every-kernel needs an sm90 GPU and a library with Hopper kernels")
     failures = 0
