@@ -23,8 +23,15 @@ File format (JSON, no pickles)::
        "keys": {<request key>: {"base_plan": <name or null>, "cases": n,
                  "buckets": {"<i>,<j>": {"cases": n, "depth": d,
                      "tree": [{"stat": "density", "le": 0.07, "left": 1, "right": 2}, {"regime": 0}, ...],
-                     "regimes": [{"rule": "density <= 0.07", "cases": n, "ranking": [[<plan>, <gm ms>], ...]}]}}}},
+                     "regimes": [{"rule": "density <= 0.07", "cases": n, "ranking": [[<plan>, <gm ms>], ...],
+                                  "schedules": [{"stat": "density", "le": 0.075, "below": <plan>,
+                                                 "above": <plan>, "cases": [n_below, n_above]}]}]}}}},
        "provenance": {...}}}
+
+A regime's *schedule rules* (optional) choose the task organization of one tile group — plans that
+share geometry, KV layout and kernel and differ only in traversal, split-K or persistence — by one
+statistic: the chosen plan of that group becomes ``below`` when the mask's statistic is ``<= le``,
+else ``above``. The compiler keeps a rule only where cross-validation says it beats one variant.
 
 A tree node with ``"stat"`` sends a mask whose statistic is ``<= le`` to ``left``, else to ``right``;
 node 0 is the root and children always come after their parent. The loader checks all of it (and the
@@ -139,6 +146,31 @@ class RankedPlan:
     gm_ms: float | None  # geometric-mean kernel latency over the regime's profiled cases
 
 
+def tile_group(plan: PhysicalPlan) -> tuple:
+    """What plans that differ only in their task organization share: geometry, KV layout, kernel."""
+    return (plan.block_q, plan.block_kv, plan.kv_layout, plan.kernel)
+
+
+@dataclass(frozen=True)
+class ScheduleRule:
+    """The task organization of one tile group in one regime, by one mask statistic: ``below``
+    when ``stats[stat] <= threshold``, else ``above`` (two plans of the same ``tile_group``)."""
+
+    stat: int  # index into the Stat vector
+    threshold: float
+    below: str
+    above: str
+    cases: tuple[int, int]  # profiled cases on each side
+
+    def choose(self, stats: Sequence[float]) -> str:
+        return self.below if stats[self.stat] <= self.threshold else self.above
+
+    def describe(self, stats: Sequence[float]) -> str:
+        value = stats[self.stat]
+        side = "<=" if value <= self.threshold else ">"
+        return f"{STAT_NAMES[self.stat]} {value:.4g} {side} {self.threshold:.4g}: {self.choose(stats)}"
+
+
 @dataclass(frozen=True)
 class Regime:
     """A leaf of a bucket's tree: where one ranking of plans holds."""
@@ -154,6 +186,7 @@ class Regime:
     # model choose among ``contenders`` — the plans within 3% of the best on one of its cases.
     fit_regret: float = 1.0
     contenders: tuple[str, ...] = ()
+    schedules: tuple[ScheduleRule, ...] = ()  # task organization of a tile group by a statistic
 
     @property
     def name(self) -> str:
@@ -306,9 +339,14 @@ def bucket_to_dict(bt: BucketTable) -> dict:
             nodes.append({"stat": STAT_NAMES[n.stat], "le": n.threshold, "left": n.left, "right": n.right})
         else:
             nodes.append({"regime": n.regime})
-    regimes = [{"rule": r.rule, "cases": r.cases, "ranking": [[rp.plan, rp.gm_ms] for rp in r.ranking],
-                "fit_regret": r.fit_regret, "contenders": list(r.contenders)}
-               for r in bt.regimes]
+    regimes = []
+    for r in bt.regimes:
+        regime = {"rule": r.rule, "cases": r.cases, "ranking": [[rp.plan, rp.gm_ms] for rp in r.ranking],
+                  "fit_regret": r.fit_regret, "contenders": list(r.contenders)}
+        if r.schedules:  # only tables with rules carry the field: older tables keep their checksum
+            regime["schedules"] = [{"stat": STAT_NAMES[x.stat], "le": x.threshold, "below": x.below,
+                                    "above": x.above, "cases": list(x.cases)} for x in r.schedules]
+        regimes.append(regime)
     return {"cases": bt.cases, "depth": bt.depth, "tree": nodes, "regimes": regimes}
 
 
@@ -416,8 +454,11 @@ def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mappin
         unknown = [c for c in contenders if c not in plans]
         if unknown:
             raise fail(f"regime {index} names unknown contender {unknown[0]!r}")
+        schedules = tuple(build_schedule_rule(sd, plans, allowed_stats,
+                                              lambda what, i=index, j=j: fail(f"regime {i} schedule rule {j}: {what}"))
+                          for j, sd in enumerate(rd.get("schedules", ())))
         regimes.append(Regime(key, label, index, str(rd["rule"]), int(rd["cases"]), tuple(ranking),
-                              float(fit_regret), contenders))
+                              float(fit_regret), contenders, schedules))
     nodes = []
     for i, nd in enumerate(bd["tree"]):
         if "regime" in nd:
@@ -437,6 +478,28 @@ def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mappin
     check_tree(nodes, len(regimes), fail)
     return BucketTable(key, bucket, label, int(bd["cases"]), int(bd["depth"]), RegimeTree(tuple(nodes)),
                        tuple(regimes))
+
+
+def build_schedule_rule(sd: Mapping, plans: Mapping[str, PhysicalPlan], allowed_stats: set[int],
+                        fail) -> ScheduleRule:
+    stat = STAT_NAMES.index(str(sd["stat"])) if sd["stat"] in STAT_NAMES else -1
+    if stat not in allowed_stats:
+        raise fail(f"tests {sd['stat']!r}, not in the feature schema")
+    threshold = float(sd["le"])
+    if not math.isfinite(threshold):
+        raise fail(f"threshold {threshold}")
+    below, above = str(sd["below"]), str(sd["above"])
+    for name in (below, above):
+        if name not in plans:
+            raise fail(f"names unknown plan {name!r}")
+    if below == above:
+        raise fail(f"chooses {below} on both sides")
+    if tile_group(plans[below]) != tile_group(plans[above]):
+        raise fail(f"{below} and {above} are not one tile group (they differ in more than their task organization)")
+    cases = tuple(int(c) for c in sd["cases"])
+    if len(cases) != 2 or min(cases) < 1:
+        raise fail(f"cases {list(cases)} is not two positive counts")
+    return ScheduleRule(stat, threshold, below, above, cases)  # type: ignore[arg-type]
 
 
 def check_tree(nodes: list[TreeNode], n_regimes: int, fail) -> None:

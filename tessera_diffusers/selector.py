@@ -13,7 +13,9 @@ Order of decision:
    the key's base plan. A *mixed* regime — its first plan lost more than ``MIXED_REGIME_REGRET``
    (GM) on its own profiled cases, too few to split by a statistic — hands the choice among its
    contenders (plans within 3% of the best on one of its cases) to the cost model, on this mask's
-   statistics (one read; kept per regime with ``reuse_regime``).
+   statistics (one read; kept per regime with ``reuse_regime``). A regime's *schedule rule* for the
+   chosen plan's tile group then picks its task organization (persistent grid or one CTA per task,
+   split-K, traversal) by one statistic (the same read), when the rule's plan is eligible.
 2. Otherwise (no table, key not profiled, table rejected, every ranked plan ineligible) the analytic
    roofline cost model ranks every eligible catalog plan.
 3. No eligible native plan: None, the reference oracle (warned once on CUDA).
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache, lru_cache
 
 from .catalog import all_kernels, plans_for
@@ -42,7 +44,7 @@ from .cost_model import PlanEstimator
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
-from .plan_table import MIXED_REGIME_REGRET, PlanTable, RankedPlan, Regime, RegimeTree, default_table
+from .plan_table import MIXED_REGIME_REGRET, PlanTable, RankedPlan, Regime, RegimeTree, default_table, tile_group
 from .plans import KernelSpec, PhysicalPlan, Request
 
 AUTO = "auto"  # Selector.table: the shipped table of each request's architecture
@@ -105,6 +107,7 @@ class RequestEntry:
     last_regime: int | None = None  # the regime the previous request of this entry fell in
     cost_model_choice: Selection | None = None  # the previous cost-model decision (for reuse_regime)
     arbitrated: dict = field(default_factory=dict)  # regime index -> the last mixed-regime decision
+    scheduled: dict = field(default_factory=dict)  # (regime index, plan before the rule) -> the last rule decision
     contenders: dict = field(default_factory=dict)  # regime index -> its eligible contenders, names, estimator
     eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
     eligible_names: tuple[str, ...] = ()
@@ -221,7 +224,7 @@ class Selector:
             else:
                 self.regime_hits += 1
             if cached is not EVERY_PLAN_REJECTED:
-                return self._arbitrate(entry, index, request, state, cached)
+                return self._schedule(entry, index, request, state, self._arbitrate(entry, index, request, state, cached))
         if self.reuse_regime and entry.cost_model_choice is not None:
             self.regime_reuses += 1
             return entry.cost_model_choice
@@ -235,7 +238,8 @@ class Selector:
             index = entry.tree.regime_of(state.host_stat_values) if entry.stats_needed else 0
             selection = self._scan(entry, index, request, full=True)
             if selection is not None:
-                return self._arbitrate(entry, index, request, state, selection, reuse=False)
+                arbitrated = self._arbitrate(entry, index, request, state, selection, reuse=False)
+                return self._schedule(entry, index, request, state, arbitrated, reuse=False)
         return self._cost_model(entry, request, state)
 
     def clear(self) -> None:
@@ -248,6 +252,7 @@ class Selector:
             entry.last_regime = None
             entry.cost_model_choice = None
             entry.arbitrated.clear()
+            entry.scheduled.clear()
 
     # -- resolution (once per architecture / request) ----------------------------------------------
 
@@ -367,6 +372,38 @@ class Selector:
                            eligible[order[0]], "plan table + cost model", regime, selection.notes + (note,))
         entry.arbitrated[index] = chosen
         return chosen
+
+    def _schedule(self, entry: RequestEntry, index: int, request: Request, state: MaskState,
+                  selection: Selection, reuse: bool = True) -> Selection:
+        """``selection`` with the task organization the regime's schedule rule gives its chosen
+        plan's tile group on this mask's statistics (one read, shared with the tree and the cost
+        model), when the regime has such a rule and the rule's plan is eligible. With
+        ``reuse_regime`` a later mask of the request keeps the previous decision."""
+        regime = entry.regimes[index]
+        if not regime.schedules or selection.chosen is None:
+            return selection
+        group = tile_group(selection.chosen)
+        rule = next((r for r in regime.schedules if tile_group(entry.plans[r.below]) == group), None)
+        if rule is None:
+            return selection
+        memo = (index, selection.chosen.name)
+        if reuse and self.reuse_regime and memo in entry.scheduled:
+            self.regime_reuses += 1
+            return entry.scheduled[memo]
+        stats = state.host_stat_values
+        name = rule.choose(stats)
+        note = f"schedule rule: {rule.describe(stats)}"
+        if name != selection.chosen.name:
+            reason = cached_rejection(entry.plans[name], request)
+            if reason is None:
+                selection = replace(selection, chosen=entry.plans[name], notes=selection.notes + (note,))
+            else:
+                kept = f"{note} rejected ({reason}); kept {selection.chosen.name}"
+                selection = replace(selection, notes=selection.notes + (kept,))
+        else:
+            selection = replace(selection, notes=selection.notes + (note,))
+        entry.scheduled[memo] = selection
+        return selection
 
     def _cost_model(self, entry: RequestEntry, request: Request, state: MaskState) -> Selection:
         """Every eligible catalog plan ranked by predicted latency (stats read from the device)."""

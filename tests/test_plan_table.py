@@ -20,6 +20,8 @@ from tessera_diffusers.plan_table import (
     PlanTable,
     body_digest,
     load_plan_table,
+    plan_to_dict,
+    tile_group,
 )
 from tessera_diffusers.plans import Request
 from tessera_diffusers.profile.compile import CompileOptions, base_plan, compile_table, cv_folds
@@ -211,3 +213,85 @@ def test_geometric_mean_ranks_valid_plans_only(two_regimes):
     for name, ranked in zip(names, regime.ranking):
         gm = math.exp(sum(math.log(c.latencies[name]) for c in cases) / len(cases))
         assert ranked.gm_ms == pytest.approx(gm)
+
+
+# -- schedule rules ------------------------------------------------------------------------------
+
+LPT = next(p for p in PLANS if p.tasks.name == "lpt")
+PERSISTENT = next(p for p in PLANS if p.tasks.name == "lpt-persistent" and tile_group(p) == tile_group(LPT))
+OTHER_TILE = next(p for p in PLANS if tile_group(p) != tile_group(LPT))
+
+
+def persistent_when_sparse(gain: float):
+    """One tile in two task organizations: the persistent grid ``gain`` faster below density 0.1 and
+    as much slower above; another tile 30% slower everywhere (so one regime ranks LPT first)."""
+
+    def latency(plan, request, stats, rng):
+        noise = 1.0 + 0.005 * rng.gauss(0.0, 1.0)
+        if plan == PERSISTENT:
+            return (1.0 - gain if stats["density"] < THRESHOLD else 1.0 + gain) * noise
+        return (1.0 if plan == LPT else 1.3) * noise
+
+    return latency
+
+
+def schedule_table(gain: float, cases: int = 48):
+    plans = [LPT, PERSISTENT, OTHER_TILE]
+    profile = synthetic_profile("sm90", portable_kernels(), plans, [REQUEST], persistent_when_sparse(gain), cases,
+                                groups=4)
+    return compile_table(profile, CompileOptions(min_leaf=32))
+
+
+def test_compiler_learns_a_schedule_rule_within_a_tile_group():
+    """Too few cases for a second regime, but the persistent grid wins on sparse masks only: the
+    regime keeps one ranking and gains a rule that picks the organization by density."""
+    table, report = schedule_table(0.06)
+    (regime,) = bucket_of(table).regimes
+    (rule,) = regime.schedules
+    assert STAT_NAMES[rule.stat] == "density" and abs(rule.threshold - THRESHOLD) < 0.02
+    assert (rule.below, rule.above) == (PERSISTENT.name, LPT.name) and sum(rule.cases) == 48
+    stats = [0.0] * len(STAT_NAMES)
+    stats[rule.stat] = 0.05
+    assert rule.choose(stats) == PERSISTENT.name and "<=" in rule.describe(stats)
+    stats[rule.stat] = 0.2
+    assert rule.choose(stats) == LPT.name
+    assert "lpt-persistent if density <=" in report.to_markdown()
+    # The artifact round-trips the rule; a table without rules keeps its old format (no field).
+    loaded = PlanTable.from_dict(json.loads(json.dumps(table.to_dict())))
+    assert bucket_of(loaded).regimes[0].schedules == regime.schedules
+
+
+def test_no_schedule_rule_without_a_statistic_that_decides():
+    """A 0.1% density effect inside 0.5% noise, or a persistent grid 1% slower everywhere: no rule."""
+    inside_noise, _ = schedule_table(0.001)
+
+    def always_slower(plan, request, stats, rng):
+        return {PERSISTENT: 1.01, LPT: 1.0}.get(plan, 1.3) * (1.0 + 0.005 * rng.gauss(0.0, 1.0))
+
+    profile = synthetic_profile("sm90", portable_kernels(), [LPT, PERSISTENT, OTHER_TILE], [REQUEST], always_slower,
+                                48, groups=4)
+    uniform, _ = compile_table(profile, CompileOptions(min_leaf=32))
+    for table in (inside_noise, uniform):
+        (regime,) = bucket_of(table).regimes
+        assert regime.schedules == () and "schedules" not in json.dumps(table.to_dict())
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda rule: rule.update(above=OTHER_TILE.name), "not one tile group"),
+        (lambda rule: rule.update(above=rule["below"]), "on both sides"),
+        (lambda rule: rule.update(below="direct_nothing"), "unknown plan"),
+        (lambda rule: rule.update(stat="entropy"), "not in the feature schema"),
+        (lambda rule: rule.update(cases=[0, 48]), "two positive counts"),
+    ],
+    ids=["tile-group", "same", "unknown", "stat", "cases"],
+)
+def test_loader_refuses_bad_schedule_rules(edit, message):
+    table, _ = schedule_table(0.06)
+    data = copy.deepcopy(table.to_dict())
+    data["table"]["plans"][OTHER_TILE.name] = data["table"]["plans"].get(OTHER_TILE.name) or plan_to_dict(OTHER_TILE)
+    (bucket,) = data["table"]["keys"][REQUEST.key]["buckets"].values()
+    edit(bucket["regimes"][0]["schedules"][0])
+    with pytest.raises(PlanTableError, match=message):
+        PlanTable.from_dict(resigned(data))

@@ -13,6 +13,14 @@ Per request key (arch, geometry, head dim, dtype, layout):
    candidate table would choose. Sibling leaves that rank the same plans are merged.
 3. Each leaf (a regime) ranks the plans valid on all its cases by geometric-mean latency, at most
    ``ranking_length`` of them, and ends with the base plan.
+4. Schedule rules: for each tile group the regime may choose (its first plan and its contenders),
+   the task organizations of that group valid on all the regime's cases compete. One threshold on
+   one statistic, with at least ``schedule_min_side`` cases on each side, picks the organization of
+   least regret on each side; the rule is kept only when leave-groups-out cross-validation puts its
+   held-out regret below that of the best single organization by more than ``schedule_margin``.
+   Whether a persistent grid beats one CTA per task depends on how long the tasks are (the Hopper
+   64 x 64 tile on Q64K64: persistent below about 7% density, one CTA per task above), a binary
+   choice within one tile that a whole-ranking tree with 32 cases per leaf cannot see.
 
 The tree is exported as plain thresholds (``plan_table.TreeNode``); nothing is pickled.
 """
@@ -41,9 +49,11 @@ from ..plan_table import (
     RankedPlan,
     Regime,
     RegimeTree,
+    ScheduleRule,
     TreeNode,
     kernel_from_dict,
     plan_from_dict,
+    tile_group,
 )
 from ..plans import KernelSpec, PhysicalPlan, Request
 from .records import read_records, request_from_dict
@@ -85,6 +95,8 @@ class CompileOptions:
     contender_regret: float = 1.10  # tree targets: plans within this of the best on some case
     target_clip: float = 1.5  # tree targets: regrets clipped here (2x and 3x slower are equally out)
     tie_tolerance: float = 0.001  # a deeper tree must lower the CV log-GM regret by more than this
+    schedule_min_side: int = 8  # schedule rules: profiled cases on each side of the threshold at least
+    schedule_margin: float = 0.005  # a schedule rule must lower the held-out GM regret by more than this
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,7 @@ class BucketReport:
     cv: tuple[tuple[int, float], ...]  # (depth, GM regret of the held-out cases)
     fit_regret: float  # GM regret of the final table on its own cases
     note: str = ""
+    schedules: tuple[str, ...] = ()  # the schedule rules kept, described
 
 
 @dataclass(frozen=True)
@@ -116,6 +129,9 @@ class CompileReport:
             cv = ", ".join(f"{d}: {r:.4f}" for d, r in b.cv) or "-"
             lines.append(f"| {b.key} | {b.bucket} | {b.cases} | {b.groups} | {b.depth} | {b.regimes} | {cv} | "
                          f"{b.fit_regret:.4f} | {b.note} |")
+        rules = [f"- {b.key} {b.bucket}: {rule}" for b in self.buckets for rule in b.schedules]
+        if rules:
+            lines += ["", "Schedule rules (task organization of one tile group by one statistic):", ""] + rules
         if self.warnings:
             lines += ["", "Warnings:", ""] + [f"- {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
@@ -215,7 +231,7 @@ def compile_table(profile: Profile, options: CompileOptions = CompileOptions(),
         buckets = {}
         for bucket, cases in sorted(by_bucket.items()):
             label = schema.buckets.label(bucket)
-            fitted = fit_bucket(key, bucket, label, cases, columns, base, options)
+            fitted = fit_bucket(key, bucket, label, cases, columns, base, options, profile.plans)
             if isinstance(fitted, str):
                 warnings.append(f"{key} {label}: {fitted}")
                 continue
@@ -224,6 +240,8 @@ def compile_table(profile: Profile, options: CompileOptions = CompileOptions(),
             reports.append(report)
             used.update(rp.plan for regime in table.regimes for rp in regime.ranking)
             used.update(name for regime in table.regimes for name in regime.contenders)
+            used.update(name for regime in table.regimes for rule in regime.schedules
+                        for name in (rule.below, rule.above))
         if base is not None:
             used.add(base)
         keys[key] = KeyTable(key, base, len(key_cases), MappingProxyType(buckets))
@@ -328,7 +346,8 @@ def bucket_data(cases: Sequence[ProfiledCase], columns: list[int], base: str | N
 
 
 def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[ProfiledCase], columns: list[int],
-               base: str | None, options: CompileOptions) -> tuple[BucketTable, BucketReport] | str:
+               base: str | None, options: CompileOptions,
+               plans: Mapping[str, PhysicalPlan] | None = None) -> tuple[BucketTable, BucketReport] | str:
     """The tree and regimes of one bucket, or why the bucket gets none."""
     cases = [c for c in cases if c.latencies]
     if not cases:
@@ -344,16 +363,100 @@ def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[Pr
         depth = min(d for d, score in cv if score <= best + options.tie_tolerance)
     model = fit_tree(data.x, data.target, depth, options.min_leaf)
     nodes, leaves = export_tree(model, data, columns)
-    regimes, fit = [], []
+    regimes, fit, described = [], [], []
     for index, (rows, rule) in enumerate(leaves):
         ranking = data.ranking(rows)
         regrets = [data.regret(r, ranking) for r in rows]
         fit += regrets
+        contenders = data.contenders(rows)
+        schedules = ()
+        if plans is not None:
+            choosable = dict.fromkeys([ranking[0].plan, *contenders])
+            schedules = fit_schedule_rules(data, rows, choosable, plans, columns, options)
+            described += [f"regime {index} ({rule}): {describe_rule(r, plans)}" for r in schedules]
         regimes.append(Regime(key, label, index, rule, len(rows), ranking, round(geometric_mean(regrets), 6),
-                              data.contenders(rows)))
+                              contenders, schedules))
     report = BucketReport(key, label, len(cases), len(set(data.groups)), depth, len(regimes),
-                          tuple((d, math.exp(s)) for d, s in cv), geometric_mean(fit), note)
+                          tuple((d, math.exp(s)) for d, s in cv), geometric_mean(fit), note, tuple(described))
     return BucketTable(key, bucket, label, len(cases), depth, RegimeTree(tuple(nodes)), tuple(regimes)), report
+
+
+# -- schedule rules ------------------------------------------------------------------------------
+
+def fit_schedule_rules(data: BucketData, rows: np.ndarray, choosable: Iterable[str],
+                       plans: Mapping[str, PhysicalPlan], columns: list[int],
+                       options: CompileOptions) -> tuple[ScheduleRule, ...]:
+    """The schedule rules of one regime (``rows``): one per tile group of ``choosable`` whose task
+    organizations are best chosen by a statistic (see the module docstring, step 4)."""
+    valid = ~np.isnan(data.lat[rows]).any(axis=0)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for c in np.flatnonzero(valid):
+        name = data.names[c]
+        if name in plans:
+            groups[tile_group(plans[name])].append(int(c))
+    rules = []
+    for group in dict.fromkeys(tile_group(plans[name]) for name in choosable if name in plans):
+        variants = groups.get(group, [])
+        if len(variants) < 2:
+            continue
+        lat = data.lat[np.ix_(rows, variants)]
+        log_regret = np.log(lat / lat.min(axis=1, keepdims=True))  # against the group's best variant
+        split = best_split(data.x[rows], log_regret, options.schedule_min_side)
+        if split is None or not split_generalizes(data.x[rows], log_regret, data.groups[rows], options):
+            continue
+        feature, threshold, below, above, n_below = split
+        rules.append(ScheduleRule(columns[feature], threshold, data.names[variants[below]],
+                                  data.names[variants[above]], (n_below, len(rows) - n_below)))
+    return tuple(rules)
+
+
+def best_split(x: np.ndarray, log_regret: np.ndarray, min_side: int) -> tuple[int, float, int, int, int] | None:
+    """(feature, threshold, best variant below, best variant above, cases below) of the threshold
+    with the least total regret that puts ``min_side`` cases on each side and changes the variant;
+    None when no threshold beats the best single variant."""
+    n = len(x)
+    best_cost = log_regret.sum(axis=0).min() - 1e-12
+    best = None
+    for f in range(x.shape[1]):
+        order = np.argsort(x[:, f], kind="stable")
+        values = x[order, f]
+        below = np.cumsum(log_regret[order], axis=0)  # [n, V]: row i = the first i + 1 cases
+        total = below[-1]
+        for i in range(min_side - 1, n - min_side):
+            if values[i] == values[i + 1]:
+                continue  # no threshold separates equal values
+            left, right = below[i], total - below[i]
+            vl, vr = int(left.argmin()), int(right.argmin())
+            cost = left[vl] + right[vr]
+            if vl != vr and cost < best_cost:
+                best_cost = cost
+                best = (f, float((values[i] + values[i + 1]) / 2), vl, vr, i + 1)
+    return best
+
+
+def split_generalizes(x: np.ndarray, log_regret: np.ndarray, groups: np.ndarray, options: CompileOptions) -> bool:
+    """Whether a split fitted without each CV group beats the best single variant on that group."""
+    splits = cv_folds(groups, options.folds)
+    if not splits:
+        return False
+    split_logs, flat_logs = [], []
+    for train, test in splits:
+        flat = int(log_regret[train].sum(axis=0).argmin())
+        flat_logs += log_regret[test, flat].tolist()
+        fitted = best_split(x[train], log_regret[train], options.schedule_min_side)
+        if fitted is None:
+            split_logs += log_regret[test, flat].tolist()
+            continue
+        f, threshold, below, above, _ = fitted
+        chosen = np.where(x[test, f] <= threshold, below, above)
+        split_logs += log_regret[test, chosen].tolist()
+    return float(np.mean(split_logs)) < float(np.mean(flat_logs)) + math.log(1.0 - options.schedule_margin)
+
+
+def describe_rule(rule: ScheduleRule, plans: Mapping[str, PhysicalPlan]) -> str:
+    below, above = plans[rule.below], plans[rule.above]
+    return (f"{rule.below.rsplit('_', 1)[0]}: {below.tasks.name} if {STAT_NAMES[rule.stat]} <= {rule.threshold:.4g} "
+            f"({rule.cases[0]} cases), else {above.tasks.name} ({rule.cases[1]} cases)")
 
 
 def fit_tree(x: np.ndarray, target: np.ndarray, depth: int, min_leaf: int):
