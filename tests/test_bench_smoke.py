@@ -222,3 +222,26 @@ def test_metrics_on_known_records() -> None:
     assert fam["tessera"]["efficiency"] == pytest.approx((100.0 / 1.0) / 50.0)  # only case a has cuDNN
     assert fam["tessera-best-plan"]["variants"] == ["tessera:p1"]  # the only plan valid on every case
     assert summary["status"]["tessera:*"]["invalid"] == 1
+
+
+def test_report_commit_only_for_the_top_of_a_checkout(tmp_path) -> None:
+    """A copy of the sources inside another repository (as on the GPU host, where the tree runs
+    from a folder of a checkout) reports no commit instead of the outer repository's HEAD."""
+    import subprocess
+
+    from tessera_diffusers.bench.report import source_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    outer = tmp_path / "outer"
+    inner = outer / "copy"
+    inner.mkdir(parents=True)
+    run = {"cwd": outer, "check": True, "capture_output": True}
+    subprocess.run(["git", "init", "-q"], **run)
+    (outer / "f").write_text("x")
+    subprocess.run(["git", "add", "f"], **run)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"], **run)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True, **run).stdout.strip()
+    assert source_commit(outer) == head
+    assert source_commit(inner) is None
+    assert source_commit(tmp_path) is None

@@ -33,6 +33,15 @@ def command_output(args: list[str]) -> str | None:
     return text or None
 
 
+def source_commit(root: Path) -> str | None:
+    """The commit of the checkout at ``root``, or None when ``root`` is not the top of a git work
+    tree (a copy of the sources inside another repository would otherwise report that one's HEAD)."""
+    top = command_output(["git", "-C", str(root), "rev-parse", "--show-toplevel"])
+    if top is None or Path(top).resolve() != root.resolve():
+        return None
+    return command_output(["git", "-C", str(root), "rev-parse", "--short", "HEAD"])
+
+
 def package_version(name: str) -> str | None:
     try:
         from importlib.metadata import PackageNotFoundError, version
@@ -55,8 +64,7 @@ def environment(device: torch.device) -> dict:
         "triton": package_version("triton"),
         "flashinfer": flashinfer_version(),
         "tessera_diffusers": package_version("tessera-diffusers"),
-        "git_commit": command_output(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse", "--short",
-                                      "HEAD"]),
+        "git_commit": source_commit(Path(__file__).resolve().parents[2]),
         "device": str(device),
     }
     if device.type == "cuda" and torch.cuda.is_available():
