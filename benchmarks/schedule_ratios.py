@@ -4,6 +4,11 @@ persistent / lpt, summarized per (family, mapping, tile, stages) as a geometric 
 beside the median KV tiles per query tile row (density x Skv / tile_kv). No GPU needed.
 
     python benchmarks/schedule_ratios.py benchmarks/results/h200_profile_dyn2/profile.jsonl.gz [MORE ...] --md FILE
+
+``--plot FILE`` draws the ratio of every case against its KV tiles per row, one series per plan
+group whose label (``family mapping tile sN``) matches ``--select`` (a regular expression): where a
+persistent grid starts to lose shows as the points crossing 1 (the plan table's schedule rules
+are such thresholds, fitted per tile group).
 """
 
 from __future__ import annotations
@@ -60,10 +65,43 @@ def markdown(groups: dict[tuple, list[tuple[float, float]]], sources: list[str])
     return "\n".join(lines) + "\n"
 
 
+def label(key: tuple) -> str:
+    family, mapping, tile, stages, kernels = key
+    return f"{family} {mapping} {tile} s{stages}" + ("" if kernels == "hopper" else f" ({kernels})")
+
+
+def plot(groups: dict[tuple, list[tuple[float, float]]], path: str, select: str) -> int:
+    """Scatter of persistent / lpt against KV tiles per row for the groups whose label matches
+    ``select``; returns the number of series drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chosen = {label(k): v for k, v in sorted(groups.items()) if re.search(select, label(k))}
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for name, values in chosen.items():
+        ax.scatter([t for t, _ in values], [x for _, x in values], s=18, label=f"{name} ({len(values)})")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("KV tiles per query-tile row (density x Skv / tile_kv)")
+    ax.set_ylabel("persistent / one CTA per task (below 1: persistent faster)")
+    ax.set_title("Persistent grid against one CTA per task, same plan, per profiled case")
+    if chosen:
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return len(chosen)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("records", nargs="+", help="profile.jsonl[.gz] files of `tessera profile`")
     parser.add_argument("--md", default=None, help="also write the table here")
+    parser.add_argument("--plot", default=None, help="write a scatter plot (png) of the selected groups here")
+    parser.add_argument("--select", default="direct 64x64",
+                        help="regular expression on the group label 'family mapping tile sN' for --plot")
     args = parser.parse_args(argv)
     groups: dict[tuple, list] = defaultdict(list)
     for path in args.records:
@@ -75,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         print("schedule_ratios: no plan timed both as lpt and lpt-persistent on one case", file=sys.stderr)
         return 1
     table = markdown(groups, args.records)
+    if args.plot and not plot(groups, args.plot, args.select):
+        print(f"schedule_ratios: no plan group matches --select {args.select!r}", file=sys.stderr)
+        return 1
     if args.md:
         with open(args.md, "w") as f:
             f.write(table)

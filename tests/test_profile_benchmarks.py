@@ -135,6 +135,10 @@ def test_schedule_ratios_pairs_lpt_and_persistent_of_one_case(tmp_path):
     md = tmp_path / "out.md"
     assert report.main([str(path), "--md", str(md)]) == 0
     assert "| Q64K64 | direct | 64x64 | 2 | hopper | 1 | 4.0 | 0.750 | 0.750 | 0.750 |" in md.read_text()
+    png = tmp_path / "ratios.png"
+    assert report.main([str(path), "--plot", str(png), "--select", "^Q64K64 direct 64x64"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.main([str(path), "--plot", str(tmp_path / "none.png"), "--select", "Q16K16"]) == 1
 
 
 def test_selection_regret_mask_cache_round_trips(tmp_path):
