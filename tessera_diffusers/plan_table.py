@@ -467,12 +467,7 @@ def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mappin
                 raise fail(f"tree node {i} points at regime {r}, there are {len(regimes)}")
             nodes.append(TreeNode(regime=r))
         else:
-            stat = STAT_NAMES.index(str(nd["stat"])) if nd["stat"] in STAT_NAMES else -1
-            if stat not in allowed_stats:
-                raise fail(f"tree node {i} tests {nd['stat']!r}, not in the feature schema")
-            threshold = float(nd["le"])
-            if not math.isfinite(threshold):
-                raise fail(f"tree node {i} has threshold {threshold}")
+            stat, threshold = stat_threshold(nd, allowed_stats, lambda what, i=i: fail(f"tree node {i} {what}"))
             left, right = int(nd["left"]), int(nd["right"])
             nodes.append(TreeNode(stat, threshold, left, right))
     check_tree(nodes, len(regimes), fail)
@@ -480,14 +475,21 @@ def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mappin
                        tuple(regimes))
 
 
+def stat_threshold(d: Mapping, allowed_stats: set[int], fail) -> tuple[int, float]:
+    """The ``"stat"`` (an index into the Stat vector, one the schema allows) and the finite ``"le"``
+    of a tree node or a schedule rule."""
+    stat = STAT_NAMES.index(str(d["stat"])) if d["stat"] in STAT_NAMES else -1
+    if stat not in allowed_stats:
+        raise fail(f"tests {d['stat']!r}, not in the feature schema")
+    threshold = float(d["le"])
+    if not math.isfinite(threshold):
+        raise fail(f"has threshold {threshold}")
+    return stat, threshold
+
+
 def build_schedule_rule(sd: Mapping, plans: Mapping[str, PhysicalPlan], allowed_stats: set[int],
                         fail) -> ScheduleRule:
-    stat = STAT_NAMES.index(str(sd["stat"])) if sd["stat"] in STAT_NAMES else -1
-    if stat not in allowed_stats:
-        raise fail(f"tests {sd['stat']!r}, not in the feature schema")
-    threshold = float(sd["le"])
-    if not math.isfinite(threshold):
-        raise fail(f"threshold {threshold}")
+    stat, threshold = stat_threshold(sd, allowed_stats, fail)
     below, above = str(sd["below"]), str(sd["above"])
     for name in (below, above):
         if name not in plans:
