@@ -70,7 +70,7 @@ def profile_cases(records: list[dict]) -> dict[str, dict]:
 
 
 def case_spec(name: str, rec: dict) -> CaseSpec:
-    family, source, grid, heads, seed = name.split("/")
+    _family, source, grid, heads, seed = name.split("/")
     return CaseSpec(rec["geometry"], source, grid_named(grid), int(heads.lstrip("h")), int(seed.lstrip("s")))
 
 
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give tables with different file names")
     selectors["cost model"] = Selector(table=None)
     rows, regrets = [], {name: [] for name in selectors}
+    splits: dict[str, list[tuple[float, float]]] = {name: [] for name in selectors}
     for name, case in sorted(load_cases(args.records).items()):
         rec = case["record"]
         if rec.get("type") == "case":  # a profile record: the spec and the request are stored
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                              chosen is not None and chosen.name in case["abandoned"])
             if ms is not None:
                 regrets[sel_name].append(ms / best_ms)
+                row[f"{sel_name} split"] = regret_split(case["plans"], chosen.name, best_ms)
+                splits[sel_name].append(row[f"{sel_name} split"])
         rows.append(row)
 
     lines = ["| case | fastest timed plan | ms | " + " | ".join(f"{s} choice | {s} regret" for s in selectors) + " |",
@@ -160,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"- {sel_name}: GM regret {gm:.4f}, P99 {p99:.3f}, worst {max(values):.3f}, within 3% on "
                          f"{within}/{len(values)} cases ({100 * within / len(values):.0f}%; "
                          f"{len(rows) - len(values)} choices not timed, "
-                         f"{sum(row[sel_name][2] for row in rows)} timed by one abandoned sample)")
+                         f"{sum(row[sel_name][2] for row in rows)} timed by one abandoned sample); "
+                         f"of it, the task organization within the chosen tile GM {gm_of(o for o, _ in splits[sel_name]):.4f}, "
+                         f"the tile GM {gm_of(t for _, t in splits[sel_name]):.4f}")
     lines.append("")
     lines.append("`*`: the profiler abandoned that plan after one timed sample slower than its abandon factor x "
                  "the case's best so far; the regret uses that one sample.")
@@ -173,11 +178,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def regret_split(plans: dict[str, float], chosen: str, best_ms: float) -> tuple[float, float]:
+    """The chosen plan's regret as (task organization, tile): its time over the fastest timed plan
+    of its own tile group (the same name but for the task organization, the part after the last
+    ``_``), and that plan's time over the fastest of all. The product is the regret."""
+    group = chosen.rsplit("_", 1)[0]
+    group_best = min(ms for name, ms in plans.items() if name.rsplit("_", 1)[0] == group)
+    return plans[chosen] / group_best, group_best / best_ms
+
+
+def gm_of(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
 def family_lines(rows: list[dict], selectors: list[str]) -> list[str]:
     """GM regret per geometry family (the case name's first part) and selector."""
     families: dict[str, dict[str, list[float]]] = {}
     for row in rows:
-        family = row["case"].split(":")[-4 if row["case"].count(":") >= 4 else 0].split("/")[0]
+        family = family_of(row["case"])
         for sel_name in selectors:
             ms = row[sel_name][1]
             if ms:
@@ -188,7 +207,21 @@ def family_lines(rows: list[dict], selectors: list[str]) -> list[str]:
         n = max(len(v) for v in by_sel.values())
         cells = [f"{math.exp(sum(map(math.log, v)) / len(v)):.4f}" if (v := by_sel.get(s)) else "-" for s in selectors]
         out.append(f"| {family} | {n} | " + " | ".join(cells) + " |")
+    out += ["", "GM regret split per family: the task organization within the chosen tile x the tile", "",
+            "| family | " + " | ".join(selectors) + " |", "|---|" + "---|" * len(selectors)]
+    for family in sorted(families):
+        cells = []
+        for sel_name in selectors:
+            parts = [row[f"{sel_name} split"] for row in rows
+                     if f"{sel_name} split" in row and family_of(row["case"]) == family]
+            cells.append(f"{gm_of(o for o, _ in parts):.4f} x {gm_of(t for _, t in parts):.4f}" if parts else "-")
+        out.append(f"| {family} | " + " | ".join(cells) + " |")
     return out
+
+
+def family_of(case: str) -> str:
+    """The geometry family of a case name (``n32k:Q64K64-HD/source/...`` or ``Q64K64/source/...``)."""
+    return case.split(":")[-4 if case.count(":") >= 4 else 0].split("/")[0]
 
 
 if __name__ == "__main__":

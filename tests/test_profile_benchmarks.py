@@ -185,3 +185,16 @@ def test_sanitize_every_kernel_covers_each_hopper_kernel_once_per_schedule():
         seen.setdefault(kernel.name, []).append(org.persistent)
     assert sorted(seen) == sorted(k.name for k in hopper)
     assert all(sorted(v) == [False, True] for v in seen.values())
+
+
+def test_selection_regret_splits_regret_into_organization_and_tile():
+    """benchmarks/selection_regret.py: a choice's regret = (its time over the fastest task
+    organization of its own tile) x (that over the fastest plan of all)."""
+    report = load("selection_regret")
+    tile = "direct_q64k64_from_q64k64_d128_bf16_sm90a_hopper_s2w4"
+    plans = {f"{tile}_lpt": 2.2, f"{tile}_lpt-persistent": 2.0, "coarsened-packed_q128k128_x_s2w8_lpt": 1.6}
+    organization, tile_part = report.regret_split(plans, f"{tile}_lpt", 1.6)
+    assert (round(organization, 6), round(tile_part, 6)) == (1.1, 1.25)
+    assert report.regret_split(plans, "coarsened-packed_q128k128_x_s2w8_lpt", 1.6) == (1.0, 1.0)
+    assert report.family_of("n32k:Q64K64-HD/text_sink/bench32k/h24/s0:bf16:d128:b1") == "Q64K64-HD"
+    assert report.family_of("Q128K64/sliding_tile/bench32k/h24/s32") == "Q128K64"
