@@ -65,6 +65,10 @@ def test_smoke_profile_builds_a_table_the_selector_uses(tmp_path):
     else:
         assert chosen is not None and chosen.name == ranking[0]
 
+    # The case record keeps the row-union ratios of the mask (the cost model's query-axis waste).
+    assert case["row_unions"] == {str(r): v for r, v in build_mask_state(mask).row_union_ratios((2, 4, 8)).items()}
+    assert all(v >= 1.0 for v in case["row_unions"].values())
+
     # Resuming measures nothing new.
     assert cli.main(TINY + ["--out", str(out), "--no-compile"]) == 0
     assert len([r for r in records(out) if r["type"] == "plan"]) == len(plans)

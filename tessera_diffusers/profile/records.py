@@ -9,6 +9,7 @@ a killed machine) keeps everything it measured, and the next run skips what is d
      "abandoned": <bool>, "timer": "cuda_events" | "host_monotonic" | <injected>, "check": {...}, "reason": ...}
     {"type": "case", "case": ..., "size": ..., "spec": <CaseSpec dict>, "family": ..., "source": ...,
      "group": <CV group>, "request": <Request dict>, "key": <request key>, "stats": {<stat>: value},
+     "row_unions": {"2" | "4" | "8": <MaskState.row_union_ratios of that many block rows>},
      "arch": ..., "catalog_hash": ..., "plans": <eligible plan count>, "rejected": {<plan>: <reason>},
      "pruned": <plans not timed: not contenders, see ProfileConfig.contenders_after>, "device": ..., "torch": ...}
     {"type": "catalog", "catalog_hash": ..., "kernels": [<KernelSpec dict>]}    (once per run)

@@ -43,6 +43,9 @@ from .config import ProfileConfig
 from .records import RECORDS_FILE, Progress, append_record, load_progress, request_to_dict
 
 ERROR_CHARS = 600
+# Query-tile heights, in block rows, whose row-union ratio a case record keeps: 128-row tiles over
+# 16-token blocks are 8 rows, 64-row tiles over 32-token blocks 2.
+ROW_UNION_SIZES = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,9 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
             plans, rejected = case_plans(request, kernels, config.plan_filter)
             state = build_mask_state(problem.mask)
             stats = state.host_stats()
+            # The query-axis waste of coarsened tiles (the cost model's measured input), kept with
+            # the case so that an offline pass can rebuild the model's estimates without the mask.
+            row_unions = {str(r): v for r, v in state.row_union_ratios(ROW_UNION_SIZES).items()}
             plans.sort(key=lambda p: estimate_ms(p, request, stats))  # a good best-so-far early
             group = f"{size}|{request.key}"
             pruned = 0
@@ -303,7 +309,8 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
             if stopped is None:
                 ok = sum(1 for p in plans if (key, p.name) in progress.done_plans)
                 append_record(path, {**case_record(key, size, case, problem, request, stats, plans, rejected, device,
-                                                   catalog), "pruned": pruned, "split": config.split})
+                                                   catalog), "row_unions": row_unions, "pruned": pruned,
+                                     "split": config.split})
                 progress.done_cases.add(key)
                 progress.groups.setdefault(group, []).append(key)
                 new_cases += 1
