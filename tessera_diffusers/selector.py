@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from .catalog import all_kernels, plans_for
@@ -108,6 +108,7 @@ class RequestEntry:
     cost_model_choice: Selection | None = None  # the previous cost-model decision (for reuse_regime)
     arbitrated: dict = field(default_factory=dict)  # regime index -> the last mixed-regime decision
     scheduled: dict = field(default_factory=dict)  # (regime index, plan before the rule) -> the last rule decision
+    rules: dict = field(default_factory=dict)  # (regime index, plan before the rule) -> its schedule rule or None
     contenders: dict = field(default_factory=dict)  # regime index -> its eligible contenders, names, estimator
     eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
     eligible_names: tuple[str, ...] = ()
@@ -382,26 +383,29 @@ class Selector:
         regime = entry.regimes[index]
         if not regime.schedules or selection.chosen is None:
             return selection
-        group = tile_group(selection.chosen)
-        rule = next((r for r in regime.schedules if tile_group(entry.plans[r.below]) == group), None)
+        memo = (index, selection.chosen.name)
+        rule = entry.rules.get(memo, EVERY_PLAN_REJECTED)
+        if rule is EVERY_PLAN_REJECTED:  # not looked up yet for this (regime, plan)
+            group = tile_group(selection.chosen)
+            rule = next((r for r in regime.schedules if tile_group(entry.plans[r.below]) == group), None)
+            entry.rules[memo] = rule
         if rule is None:
             return selection
-        memo = (index, selection.chosen.name)
         if reuse and self.reuse_regime and memo in entry.scheduled:
             self.regime_reuses += 1
             return entry.scheduled[memo]
         stats = state.host_stat_values
         name = rule.choose(stats)
         note = f"schedule rule: {rule.describe(stats)}"
-        if name != selection.chosen.name:
+        chosen = selection.chosen
+        if name != chosen.name:
             reason = cached_rejection(entry.plans[name], request)
             if reason is None:
-                selection = replace(selection, chosen=entry.plans[name], notes=selection.notes + (note,))
+                chosen = entry.plans[name]
             else:
-                kept = f"{note} rejected ({reason}); kept {selection.chosen.name}"
-                selection = replace(selection, notes=selection.notes + (kept,))
-        else:
-            selection = replace(selection, notes=selection.notes + (note,))
+                note = f"{note} rejected ({reason}); kept {chosen.name}"
+        selection = Selection(selection.request, selection.ranking, selection.rejected, chosen, selection.source,
+                              selection.regime, selection.notes + (note,))
         entry.scheduled[memo] = selection
         return selection
 
