@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from functools import cached_property
 
 import torch
 
@@ -167,10 +166,8 @@ class PhysicalPlan:
         q, kv = self.q_mapping.value, self.kv_mapping.value
         return q if q == kv else f"{q}-{kv}"
 
-    @cached_property
+    @property
     def name(self) -> str:
-        """Deterministic catalog-style name (kept on the instance: the selector compares names on
-        every request)."""
         k = self.kernel
         return (
             f"{self.mapping_name}_q{self.tile_q}k{self.tile_kv}_from_q{self.block_q}k{self.block_kv}"

@@ -107,8 +107,8 @@ class RequestEntry:
     last_regime: int | None = None  # the regime the previous request of this entry fell in
     cost_model_choice: Selection | None = None  # the previous cost-model decision (for reuse_regime)
     arbitrated: dict = field(default_factory=dict)  # regime index -> the last mixed-regime decision
-    scheduled: dict = field(default_factory=dict)  # (regime index, plan before the rule) -> the last rule decision
-    rules: dict = field(default_factory=dict)  # (regime index, plan before the rule) -> its schedule rule or None
+    scheduled: dict = field(default_factory=dict)  # (regime index, id of the plan before the rule) -> the last rule decision
+    rules: dict = field(default_factory=dict)  # (regime index, id of the plan before the rule) -> its schedule rule or None
     contenders: dict = field(default_factory=dict)  # regime index -> its eligible contenders, names, estimator
     eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
     eligible_names: tuple[str, ...] = ()
@@ -383,7 +383,7 @@ class Selector:
         regime = entry.regimes[index]
         if not regime.schedules or selection.chosen is None:
             return selection
-        memo = (index, selection.chosen.name)
+        memo = (index, id(selection.chosen))  # the table's own plan objects, alive with the entry
         rule = entry.rules.get(memo, EVERY_PLAN_REJECTED)
         if rule is EVERY_PLAN_REJECTED:  # not looked up yet for this (regime, plan)
             group = tile_group(selection.chosen)
@@ -395,13 +395,13 @@ class Selector:
             self.regime_reuses += 1
             return entry.scheduled[memo]
         stats = state.host_stat_values
-        name = rule.choose(stats)
+        ruled = entry.plans[rule.choose(stats)]
         note = f"schedule rule: {rule.describe(stats)}"
         chosen = selection.chosen
-        if name != chosen.name:
-            reason = cached_rejection(entry.plans[name], request)
+        if ruled != chosen:
+            reason = cached_rejection(ruled, request)
             if reason is None:
-                chosen = entry.plans[name]
+                chosen = ruled
             else:
                 note = f"{note} rejected ({reason}); kept {chosen.name}"
         selection = Selection(selection.request, selection.ranking, selection.rejected, chosen, selection.source,
