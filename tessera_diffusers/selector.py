@@ -384,11 +384,10 @@ class Selector:
         if not regime.schedules or selection.chosen is None:
             return selection
         memo = (index, id(selection.chosen))  # the table's own plan objects, alive with the entry
-        rule = entry.rules.get(memo, EVERY_PLAN_REJECTED)
-        if rule is EVERY_PLAN_REJECTED:  # not looked up yet for this (regime, plan)
+        if memo not in entry.rules:  # the rule of this (regime, plan), looked up once
             group = tile_group(selection.chosen)
-            rule = next((r for r in regime.schedules if tile_group(entry.plans[r.below]) == group), None)
-            entry.rules[memo] = rule
+            entry.rules[memo] = next((r for r in regime.schedules if tile_group(entry.plans[r.below]) == group), None)
+        rule = entry.rules[memo]
         if rule is None:
             return selection
         if reuse and self.reuse_regime and memo in entry.scheduled:

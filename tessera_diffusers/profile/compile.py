@@ -347,7 +347,7 @@ def bucket_data(cases: Sequence[ProfiledCase], columns: list[int], base: str | N
 
 def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[ProfiledCase], columns: list[int],
                base: str | None, options: CompileOptions,
-               plans: Mapping[str, PhysicalPlan] | None = None) -> tuple[BucketTable, BucketReport] | str:
+               plans: Mapping[str, PhysicalPlan]) -> tuple[BucketTable, BucketReport] | str:
     """The tree and regimes of one bucket, or why the bucket gets none."""
     cases = [c for c in cases if c.latencies]
     if not cases:
@@ -369,11 +369,9 @@ def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[Pr
         regrets = [data.regret(r, ranking) for r in rows]
         fit += regrets
         contenders = data.contenders(rows)
-        schedules = ()
-        if plans is not None:
-            choosable = dict.fromkeys([ranking[0].plan, *contenders])
-            schedules = fit_schedule_rules(data, rows, choosable, plans, columns, options)
-            described += [f"regime {index} ({rule}): {describe_rule(r, plans)}" for r in schedules]
+        choosable = dict.fromkeys([ranking[0].plan, *contenders])
+        schedules = fit_schedule_rules(data, rows, choosable, plans, columns, options)
+        described += [f"regime {index} ({rule}): {describe_rule(r, plans)}" for r in schedules]
         regimes.append(Regime(key, label, index, rule, len(rows), ranking, round(geometric_mean(regrets), 6),
                               contenders, schedules))
     report = BucketReport(key, label, len(cases), len(set(data.groups)), depth, len(regimes),
