@@ -147,8 +147,13 @@ class RankedPlan:
 
 
 def tile_group(plan: PhysicalPlan) -> tuple:
-    """What plans that differ only in their task organization share: geometry, KV layout, kernel."""
-    return (plan.block_q, plan.block_kv, plan.kv_layout, plan.kernel)
+    """What plans that differ only in their task organization share: the logical geometry, the KV
+    layout and the kernel's tile (family, arch, dtype, head dim, tile shape, warps). The task
+    organization is DESIGN section 4's: grouping and traversal, split-K, a persistent grid, and the
+    pipeline depth (the kernel's stages), so 2- and 3-stage builds of one tile are one group."""
+    k = plan.kernel
+    return (plan.block_q, plan.block_kv, plan.kv_layout, k.family, k.arch, k.dtype, k.head_dim, k.tile_q, k.tile_kv,
+            k.warps)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from tessera_diffusers.catalog import plans_for, portable_kernels
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.errors import PlanTableError
 from tessera_diffusers.plan_table import (
+    MIXED_REGIME_REGRET,
     STAT_NAMES,
     Buckets,
     PlanTable,
@@ -28,7 +29,8 @@ from tessera_diffusers.profile.compile import CompileOptions, base_plan, compile
 from tessera_diffusers.profile.synthetic import synthetic_profile
 
 REQUEST = Request(1, 24, 32768, 32768, 128, "bf16", 64, 64, "sm90")
-PLANS = [p for p in plans_for(64, 64, portable_kernels()) if rejection(p, REQUEST) is None][:6]
+ELIGIBLE = [p for p in plans_for(64, 64, portable_kernels()) if rejection(p, REQUEST) is None]
+PLANS = ELIGIBLE[:6]
 A, B, C, D = PLANS[0], PLANS[1], PLANS[2], PLANS[3]  # D: a slower plan valid everywhere
 THRESHOLD = 0.1
 
@@ -219,7 +221,18 @@ def test_geometric_mean_ranks_valid_plans_only(two_regimes):
 
 LPT = next(p for p in PLANS if p.tasks.name == "lpt")
 PERSISTENT = next(p for p in PLANS if p.tasks.name == "lpt-persistent" and tile_group(p) == tile_group(LPT))
-OTHER_TILE = next(p for p in PLANS if tile_group(p) != tile_group(LPT))
+OTHER_TILE = next(p for p in ELIGIBLE if tile_group(p) != tile_group(LPT))
+DEEPER = next(p for p in ELIGIBLE if p.tasks == LPT.tasks and p.kernel.stages != LPT.kernel.stages
+              and tile_group(p) == tile_group(LPT))
+
+
+def test_pipeline_depth_is_part_of_the_task_organization():
+    """DESIGN section 4: the pipeline depth belongs to the task organization, so the 2- and 3-stage
+    builds of one tile are one tile group; another tile shape (or mapping) is another group."""
+    assert DEEPER.kernel != LPT.kernel and tile_group(DEEPER) == tile_group(LPT)
+    other, mine = OTHER_TILE, LPT
+    assert (other.kernel.tile_q, other.kernel.tile_kv, other.kv_layout) != (mine.kernel.tile_q, mine.kernel.tile_kv,
+                                                                             mine.kv_layout)
 
 
 def persistent_when_sparse(gain: float):
@@ -255,10 +268,56 @@ def test_compiler_learns_a_schedule_rule_within_a_tile_group():
     assert rule.choose(stats) == PERSISTENT.name and "<=" in rule.describe(stats)
     stats[rule.stat] = 0.2
     assert rule.choose(stats) == LPT.name
-    assert "lpt-persistent if density <=" in report.to_markdown()
+    assert "lpt-persistent 2-stage if density <=" in report.to_markdown()
     # The artifact round-trips the rule; a table without rules keeps its old format (no field).
     loaded = PlanTable.from_dict(json.loads(json.dumps(table.to_dict())))
     assert bucket_of(loaded).regimes[0].schedules == regime.schedules
+
+
+def test_compiler_learns_the_pipeline_depth_by_a_statistic():
+    """The 3-stage build of the tile wins on long runs only: the rule picks the stages."""
+
+    def deeper_on_long_runs(plan, request, stats, rng):
+        noise = 1.0 + 0.005 * rng.gauss(0.0, 1.0)
+        if plan == DEEPER:
+            return (0.94 if stats["mean_run_length"] > 4.5 else 1.06) * noise
+        return (1.0 if plan == LPT else 1.3) * noise
+
+    profile = synthetic_profile("sm90", portable_kernels(), [LPT, DEEPER, OTHER_TILE], [REQUEST],
+                                deeper_on_long_runs, 48, groups=4)
+    table, report = compile_table(profile, CompileOptions(min_leaf=32))
+    (rule,) = bucket_of(table).regimes[0].schedules
+    assert STAT_NAMES[rule.stat] == "mean_run_length" and abs(rule.threshold - 4.5) < 0.5
+    assert (rule.below, rule.above) == (LPT.name, DEEPER.name)
+    assert f"lpt {LPT.kernel.stages}-stage if mean_run_length <=" in report.to_markdown()
+    assert bucket_of(PlanTable.from_dict(json.loads(json.dumps(table.to_dict())))).regimes[0].schedules == (rule,)
+
+
+def test_schedule_rule_is_fitted_where_its_tile_contends():
+    """A mixed regime: the other tile is 30% faster where row_overlap > 0.5. Where this tile contends
+    the persistent grid wins on short runs, elsewhere on long ones (an XOR of two statistics): over
+    all 160 cases (one regime: 100 a leaf) no one threshold generalizes; over the cases where the tile
+    contends one does."""
+
+    def latency(plan, request, stats, rng):
+        noise = 1.0 + 0.005 * rng.gauss(0.0, 1.0)
+        contends = stats["row_overlap"] <= 0.5
+        if plan == OTHER_TILE:
+            return (1.3 if contends else 0.7) * noise
+        if plan == PERSISTENT:
+            short = stats["mean_run_length"] <= 4.5
+            return (0.94 if short == contends else 1.06) * noise
+        return noise
+
+    profile = synthetic_profile("sm90", portable_kernels(), [LPT, PERSISTENT, OTHER_TILE], [REQUEST], latency,
+                                160, groups=4)
+    table, _ = compile_table(profile, CompileOptions(min_leaf=100))
+    (regime,) = bucket_of(table).regimes
+    assert regime.fit_regret > MIXED_REGIME_REGRET and LPT.name in regime.contenders
+    (rule,) = regime.schedules
+    contending = sum(1 for c in profile.cases if c.stats[STAT_NAMES.index("row_overlap")] <= 0.5)
+    assert STAT_NAMES[rule.stat] == "mean_run_length" and abs(rule.threshold - 4.5) < 0.5
+    assert (rule.below, rule.above) == (PERSISTENT.name, LPT.name) and sum(rule.cases) == contending < 160
 
 
 def test_no_schedule_rule_without_a_statistic_that_decides():

@@ -20,7 +20,11 @@ Per request key (arch, geometry, head dim, dtype, layout):
    held-out regret below that of the best single organization by more than ``schedule_margin``.
    Whether a persistent grid beats one CTA per task depends on how long the tasks are (the Hopper
    64 x 64 tile on Q64K64: persistent below about 7% density, one CTA per task above), a binary
-   choice within one tile that a whole-ranking tree with 32 cases per leaf cannot see.
+   choice within one tile that a whole-ranking tree with 32 cases per leaf cannot see. When no rule
+   over all the regime's cases generalizes, the rule is fitted again on the cases where the group
+   contends (its best organization within ``CONTENDER_REGRET`` of the case's best): in a mixed
+   regime those are the cases on which the cost model hands the group the request, and a 64 x 64
+   tile's organization need not be learned from the dense masks a 128 x 128 tile serves.
 
 The tree is exported as plain thresholds (``plan_table.TreeNode``); nothing is pickled.
 """
@@ -392,19 +396,25 @@ def fit_schedule_rules(data: BucketData, rows: np.ndarray, choosable: Iterable[s
         name = data.names[c]
         if name in plans:
             groups[tile_group(plans[name])].append(int(c))
+    case_best = np.nanmin(data.lat[rows], axis=1)
     rules = []
     for group in dict.fromkeys(tile_group(plans[name]) for name in choosable if name in plans):
         variants = groups.get(group, [])
         if len(variants) < 2:
             continue
-        lat = data.lat[np.ix_(rows, variants)]
-        log_regret = np.log(lat / lat.min(axis=1, keepdims=True))  # against the group's best variant
-        split = best_split(data.x[rows], log_regret, options.schedule_min_side)
-        if split is None or not split_generalizes(data.x[rows], log_regret, data.groups[rows], options):
-            continue
-        feature, threshold, below, above, n_below = split
-        rules.append(ScheduleRule(columns[feature], threshold, data.names[variants[below]],
-                                  data.names[variants[above]], (n_below, len(rows) - n_below)))
+        group_best = data.lat[np.ix_(rows, variants)].min(axis=1)
+        contending = rows[group_best <= CONTENDER_REGRET * case_best]
+        for fit_rows in (rows, contending):
+            if fit_rows is contending and not 2 * options.schedule_min_side <= len(contending) < len(rows):
+                continue
+            lat = data.lat[np.ix_(fit_rows, variants)]
+            log_regret = np.log(lat / lat.min(axis=1, keepdims=True))  # against the group's best variant
+            split = best_split(data.x[fit_rows], log_regret, options.schedule_min_side)
+            if split is not None and split_generalizes(data.x[fit_rows], log_regret, data.groups[fit_rows], options):
+                feature, threshold, below, above, n_below = split
+                rules.append(ScheduleRule(columns[feature], threshold, data.names[variants[below]],
+                                          data.names[variants[above]], (n_below, len(fit_rows) - n_below)))
+                break
     return tuple(rules)
 
 
@@ -453,8 +463,13 @@ def split_generalizes(x: np.ndarray, log_regret: np.ndarray, groups: np.ndarray,
 
 def describe_rule(rule: ScheduleRule, plans: Mapping[str, PhysicalPlan]) -> str:
     below, above = plans[rule.below], plans[rule.above]
-    return (f"{rule.below.rsplit('_', 1)[0]}: {below.tasks.name} if {STAT_NAMES[rule.stat]} <= {rule.threshold:.4g} "
-            f"({rule.cases[0]} cases), else {above.tasks.name} ({rule.cases[1]} cases)")
+    tile = rule.below.rsplit("_", 2)[0]  # the name without "_s<stages>w<warps>_<organization>"
+
+    def organization(plan: PhysicalPlan) -> str:
+        return f"{plan.tasks.name} {plan.kernel.stages}-stage"
+
+    return (f"{tile} ({below.kernel.warps} warps): {organization(below)} if {STAT_NAMES[rule.stat]} <= "
+            f"{rule.threshold:.4g} ({rule.cases[0]} cases), else {organization(above)} ({rule.cases[1]} cases)")
 
 
 def fit_tree(x: np.ndarray, target: np.ndarray, depth: int, min_leaf: int):
