@@ -14,6 +14,12 @@ kernel and layout); a chosen plan that was not timed is reported as such, never 
     python benchmarks/selection_regret.py benchmarks/results/h200_kernels_n32k_tma/records.jsonl
     python benchmarks/selection_regret.py RECORDS --table PATH --md OUT.md
     python benchmarks/selection_regret.py RECORDS --table A.json --table B.json   # tables side by side
+    python benchmarks/selection_regret.py RUN1 RUN2 --table PATH   # repeated runs of the same cases
+
+With several records files (repeated profiling runs of the same cases) each (case, plan) latency is
+the geometric mean over the runs that timed it in all of them, and the report adds the repeat floor:
+the fastest plan of one run judged in another. No selector can be told apart from the oracle by less
+than that floor, since the oracle itself scores it against a repeat of its own measurements.
 
 Rebuilding the corpus masks is most of the time (about 5 s per 32k-token case on 2 CPU cores);
 ``--mask-cache DIR`` keeps each built mask (bit-packed, keyed by the case name) for the next run.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -69,6 +76,48 @@ def profile_cases(records: list[dict]) -> dict[str, dict]:
             for rec in records if rec.get("type") == "case" and latencies.get(rec["case"])}
 
 
+def merge_runs(runs: list[dict[str, dict]]) -> dict[str, dict]:
+    """Cases of every run, with the geometric mean latency of each plan every run timed."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = {}
+    for name in sorted(set.intersection(*(set(run) for run in runs))):
+        plans = set.intersection(*(set(run[name]["plans"]) for run in runs))
+        if plans:
+            merged[name] = {"record": runs[0][name]["record"],
+                            "plans": {p: math.exp(sum(math.log(run[name]["plans"][p]) for run in runs) / len(runs))
+                                      for p in plans},
+                            "abandoned": set().union(*(run[name]["abandoned"] for run in runs)) & plans}
+    return merged
+
+
+def repeat_floor(runs: list[dict[str, dict]], labels: list[str]) -> list[str]:
+    """For each ordered pair of runs: the regret, in the second, of the plan fastest in the first."""
+    lines = []
+    for a, run_a in enumerate(runs):
+        for b, run_b in enumerate(runs):
+            if a == b:
+                continue
+            values = []
+            for name in set(run_a) & set(run_b):
+                plans = set(run_a[name]["plans"]) & set(run_b[name]["plans"])
+                if plans:
+                    pick = min(plans, key=run_a[name]["plans"].get)
+                    values.append(run_b[name]["plans"][pick] / min(run_b[name]["plans"][p] for p in plans))
+            if values:
+                lines.append(f"- repeat floor: the fastest plan of `{labels[a]}` judged in `{labels[b]}`: "
+                             f"{summary_text(values)}")
+    return lines
+
+
+def summary_text(values: list[float], aside: str = "") -> str:
+    """GM, P99, worst and the share within 3% of ``values`` (regrets); ``aside`` goes in the parentheses."""
+    within = sum(v <= 1.03 for v in values)
+    p99 = sorted(values)[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
+    return (f"GM regret {gm_of(values):.4f}, P99 {p99:.3f}, worst {max(values):.3f}, within 3% on "
+            f"{within}/{len(values)} cases ({100 * within / len(values):.0f}%{aside})")
+
+
 def case_spec(name: str, rec: dict) -> CaseSpec:
     _family, source, grid, heads, seed = name.split("/")
     return CaseSpec(rec["geometry"], source, grid_named(grid), int(heads.lstrip("h")), int(seed.lstrip("s")))
@@ -99,7 +148,9 @@ def cached_mask(cache: Path | None, name: str, build) -> LogicalMask:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("records", type=Path, help="records.jsonl of a kernel study")
+    parser.add_argument("records", type=Path, nargs="+",
+                        help="records.jsonl of a kernel study or a profile run; several: repeated runs of the "
+                             "same cases (latencies averaged, repeat floor reported)")
     parser.add_argument("--table", action="append", default=None,
                         help="plan table file (default: the shipped one); repeat to compare tables on the "
                              "same masks (one column each, named by the file)")
@@ -108,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask-cache", type=Path, default=None,
                         help="keep built masks here and reuse them on the next run")
     args = parser.parse_args(argv)
-    if not args.records.is_file():
-        parser.error(f"records: no file {args.records}")
+    missing = [str(path) for path in args.records if not path.is_file()]
+    if missing:
+        parser.error(f"records: no file {missing[0]}")
 
     if args.table is None or args.table == [AUTO]:
         selectors = {"table": Selector(table=AUTO)}
@@ -122,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     selectors["cost model"] = Selector(table=None)
     rows, regrets = [], {name: [] for name in selectors}
     splits: dict[str, list[tuple[float, float]]] = {name: [] for name in selectors}
-    for name, case in sorted(load_cases(args.records).items()):
+    runs = [load_cases(path) for path in args.records]
+    for name, case in sorted(merge_runs(runs).items()):
         rec = case["record"]
         if rec.get("type") == "case":  # a profile record: the spec and the request are stored
             mask = cached_mask(args.mask_cache, name, CaseSpec.from_dict(rec["spec"]).build)
@@ -157,15 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     lines.append("")
     for sel_name, values in regrets.items():
         if values:
-            gm = math.exp(sum(math.log(v) for v in values) / len(values))
-            within = sum(v <= 1.03 for v in values)
-            p99 = sorted(values)[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
-            lines.append(f"- {sel_name}: GM regret {gm:.4f}, P99 {p99:.3f}, worst {max(values):.3f}, within 3% on "
-                         f"{within}/{len(values)} cases ({100 * within / len(values):.0f}%; "
-                         f"{len(rows) - len(values)} choices not timed, "
-                         f"{sum(row[sel_name][2] for row in rows)} timed by one abandoned sample); "
+            aside = (f"; {len(rows) - len(values)} choices not timed, "
+                     f"{sum(row[sel_name][2] for row in rows)} timed by one abandoned sample")
+            lines.append(f"- {sel_name}: {summary_text(values, aside)}; "
                          f"of it, the task organization within the chosen tile GM {gm_of(o for o, _ in splits[sel_name]):.4f}, "
                          f"the tile GM {gm_of(t for _, t in splits[sel_name]):.4f}")
+    if len(runs) > 1:
+        lines += [f"- latencies: geometric mean of {len(runs)} runs of the same cases, plans timed in all of them",
+                  *repeat_floor(runs, [str(path) for path in args.records])]
     lines.append("")
     lines.append("`*`: the profiler abandoned that plan after one timed sample slower than its abandon factor x "
                  "the case's best so far; the regret uses that one sample.")
@@ -174,17 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.md is not None:
-        args.md.write_text(f"# Selection regret on `{args.records}`\n\n{text}\n")
+        sources = ", ".join(f"`{path}`" for path in args.records)
+        args.md.write_text(f"# Selection regret on {sources}\n\n{text}\n")
     return 0
 
 
 def regret_split(plans: dict[str, float], chosen: str, best_ms: float) -> tuple[float, float]:
     """The chosen plan's regret as (task organization, tile): its time over the fastest timed plan
-    of its own tile group (the same name but for the task organization, the part after the last
-    ``_``), and that plan's time over the fastest of all. The product is the regret."""
-    group = chosen.rsplit("_", 1)[0]
-    group_best = min(ms for name, ms in plans.items() if name.rsplit("_", 1)[0] == group)
+    of its own tile group (``plan_table.tile_group``: the same name but for the pipeline depth and the
+    task organization, ``_s<stages>w<warps>_<organization>``), and that plan's time over the fastest
+    of all. The product is the regret."""
+    group = tile_of(chosen)
+    group_best = min(ms for name, ms in plans.items() if tile_of(name) == group)
     return plans[chosen] / group_best, group_best / best_ms
+
+
+def tile_of(plan: str) -> str:
+    return re.sub(r"_s\d+w(\d+)_[^_]+$", r"_w\1", plan)
 
 
 def gm_of(values) -> float:

@@ -59,6 +59,25 @@ def test_selection_regret_reads_profile_records_and_their_abandoned_plans():
     assert cases["c1"]["abandoned"] == {"slow"}
 
 
+def test_selection_regret_averages_repeated_runs_and_reports_the_repeat_floor():
+    """Several records files of the same cases: latencies are the geometric mean over the runs of the
+    plans every run timed; the repeat floor judges each run's fastest plan in the other run."""
+    report = load("selection_regret")
+
+    def run(**plans):
+        return {"c1": {"record": {}, "plans": plans, "abandoned": set()}}
+
+    first, second = run(a=1.0, b=1.1, c=5.0), run(a=1.21, b=1.1)
+    merged = report.merge_runs([first, second])
+    assert set(merged["c1"]["plans"]) == {"a", "b"}
+    assert abs(merged["c1"]["plans"]["a"] - 1.1) < 1e-12 and abs(merged["c1"]["plans"]["b"] - 1.1) < 1e-12
+    assert report.merge_runs([first]) is first
+    lines = report.repeat_floor([first, second], ["one", "two"])
+    assert len(lines) == 2
+    assert "fastest plan of `one` judged in `two`: GM regret 1.1000" in lines[0]  # a: 1.21 / 1.1
+    assert "fastest plan of `two` judged in `one`: GM regret 1.1000" in lines[1]  # b: 1.1 / 1.0
+
+
 def test_ptxas_report_reads_both_schedules_and_spills(tmp_path):
     """benchmarks/ptxas_report.py on a log in ptxas's format: one row per Hopper attention kernel
     (static and dynamic schedule), spills and static shared memory read, other kernels ignored."""
@@ -189,11 +208,11 @@ def test_sanitize_every_kernel_covers_each_hopper_kernel_once_per_schedule():
 
 def test_selection_regret_splits_regret_into_organization_and_tile():
     """benchmarks/selection_regret.py: a choice's regret = (its time over the fastest task
-    organization of its own tile) x (that over the fastest plan of all)."""
+    organization of its own tile, pipeline depth included) x (that over the fastest plan of all)."""
     report = load("selection_regret")
-    tile = "direct_q64k64_from_q64k64_d128_bf16_sm90a_hopper_s2w4"
-    plans = {f"{tile}_lpt": 2.2, f"{tile}_lpt-persistent": 2.0, "coarsened-packed_q128k128_x_s2w8_lpt": 1.6}
-    organization, tile_part = report.regret_split(plans, f"{tile}_lpt", 1.6)
+    tile = "direct_q64k64_from_q64k64_d128_bf16_sm90a_hopper"
+    plans = {f"{tile}_s2w4_lpt": 2.2, f"{tile}_s3w4_lpt-persistent": 2.0, "coarsened-packed_q128k128_x_s2w8_lpt": 1.6}
+    organization, tile_part = report.regret_split(plans, f"{tile}_s2w4_lpt", 1.6)
     assert (round(organization, 6), round(tile_part, 6)) == (1.1, 1.25)
     assert report.regret_split(plans, "coarsened-packed_q128k128_x_s2w8_lpt", 1.6) == (1.0, 1.0)
     assert report.family_of("n32k:Q64K64-HD/text_sink/bench32k/h24/s0:bf16:d128:b1") == "Q64K64-HD"
