@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                              "same masks (one column each, named by the file)")
     parser.add_argument("--arch", default="sm90")
     parser.add_argument("--md", type=Path, default=None, help="also write the table as markdown here")
+    parser.add_argument("--same-cases-as", type=Path, default=None,
+                        help="judge only the cases that this other records file also has")
     parser.add_argument("--mask-cache", type=Path, default=None,
                         help="keep built masks here and reuse them on the next run")
     args = parser.parse_args(argv)
@@ -175,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, regrets = [], {name: [] for name in selectors}
     splits: dict[str, list[tuple[float, float]]] = {name: [] for name in selectors}
     runs = [load_cases(path) for path in args.records]
+    if args.same_cases_as is not None:
+        keep = set(load_cases(args.same_cases_as))
+        runs = [{name: case for name, case in run.items() if name in keep} for run in runs]
     for name, case in sorted(merge_runs(runs).items()):
         rec = case["record"]
         if rec.get("type") == "case":  # a profile record: the spec and the request are stored

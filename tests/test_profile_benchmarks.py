@@ -78,6 +78,19 @@ def test_selection_regret_averages_repeated_runs_and_reports_the_repeat_floor():
     assert "fastest plan of `two` judged in `one`: GM regret 1.1000" in lines[1]  # b: 1.1 / 1.0
 
 
+def test_timing_spread_smoke(tmp_path):
+    """benchmarks/timing_spread.py on the CPU: per (case, plan) the rounds of fresh buffers, each with
+    two timings (new buffers, then the same buffers again), summarized and written as JSON + markdown."""
+    assert load("timing_spread").main(["--out", str(tmp_path), "--smoke", "--cases", "1", "--rounds", "2",
+                                       "--plans-per-case", "2", "--reps", "2", "--warmup", "1"]) == 0
+    payload = json.loads((tmp_path / "timing_spread.json").read_text())
+    (entry,) = payload["rounds"]
+    assert len(entry["plans"]) == 2 and all(len(pairs) == 2 and len(pairs[0]) == 2 for pairs in entry["plans"].values())
+    (summary,) = payload["summaries"]
+    assert summary["distinct_winners"] in (1, 2) and summary["round_winner_regret_gm"] >= 1.0
+    assert "max / min over rounds" in (tmp_path / "timing_spread.md").read_text()
+
+
 def test_ptxas_report_reads_both_schedules_and_spills(tmp_path):
     """benchmarks/ptxas_report.py on a log in ptxas's format: one row per Hopper attention kernel
     (static and dynamic schedule), spills and static shared memory read, other kernels ignored."""
