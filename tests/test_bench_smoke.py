@@ -23,7 +23,7 @@ from tessera_diffusers.bench.flashinfer_backends import (
 from tessera_diffusers.bench.harness import relabel_legacy
 from tessera_diffusers.bench.metrics import compare, geometric_mean, regrets, summarize
 from tessera_diffusers.bench.problem import OracleCheck, Problem, check_heads, make_inputs
-from tessera_diffusers.bench.timing import time_kernel, time_request
+from tessera_diffusers.bench.timing import time_interleaved, time_kernel, time_request
 from tessera_diffusers.corpus import CaseSpec, LatentGrid
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.testing import random_mask
@@ -154,6 +154,20 @@ def test_timing_rotates_inputs_and_counts_reps() -> None:
     assert calls == [0, 1, 0, 1] and len(timing.samples_ms) == 3
     with pytest.raises(InvalidArgumentError):
         time_kernel(calls.append, 1, 0, 0, torch.device("cpu"))
+
+
+def test_interleaved_timing_takes_every_kernel_in_turn() -> None:
+    """Warm-up rounds of every kernel, then reps rounds, each starting one kernel later, input set
+    (warmup + r) % n_sets in round r: one Timing of reps samples per kernel, in the runs' order."""
+    calls = []
+    runs = [lambda i, j=j: calls.append((j, i)) for j in range(3)]
+    timings = time_interleaved(runs, 2, 1, 3, torch.device("cpu"))
+    assert calls[:3] == [(0, 0), (1, 0), (2, 0)]  # one warm-up round on set 0
+    assert calls[3:] == [(0, 1), (1, 1), (2, 1), (1, 0), (2, 0), (0, 0), (2, 1), (0, 1), (1, 1)]
+    assert [len(t.samples_ms) for t in timings] == [3, 3, 3] and timings[0].timer == "host_monotonic"
+    assert time_interleaved([], 2, 1, 3, torch.device("cpu")) == []
+    with pytest.raises(InvalidArgumentError):
+        time_interleaved(runs, 1, 0, 0, torch.device("cpu"))
 
 
 def test_oracle_check_accepts_the_oracle_and_rejects_errors() -> None:

@@ -14,12 +14,12 @@ import torch
 from tessera_diffusers import build_mask_state
 from tessera_diffusers.bench.timing import Timing
 from tessera_diffusers.corpus import CaseSpec
-from tessera_diffusers.plan_table import load_plan_table
+from tessera_diffusers.errors import InvalidArgumentError
+from tessera_diffusers.plan_table import MIXED_REGIME_REGRET, load_plan_table
 from tessera_diffusers.plans import Request
 from tessera_diffusers.profile import cli
 from tessera_diffusers.profile import runner as runner_module
 from tessera_diffusers.profile.compile import compile_table, load_profile
-from tessera_diffusers.plan_table import MIXED_REGIME_REGRET
 from tessera_diffusers.profile.config import ProfileConfig, smoke_config
 from tessera_diffusers.profile.records import RECORDS_FILE, read_records
 from tessera_diffusers.profile.runner import KernelTimer, Measured, Trial, run_profile
@@ -81,7 +81,7 @@ def injected(trial: Trial) -> Measured:
 
 
 def test_injected_timing_drives_the_ranking(tmp_path):
-    config = smoke_config(tmp_path, families=("Q32K16",), sources=("sliding_tile",), progress=False)
+    config = smoke_config(tmp_path, families=("Q32K16",), sources=("sliding_tile",), progress=False, interleave=False)
     summary = run_profile(config, measure=injected, log=lambda m: None)
     assert summary.cases_new == 1 and summary.stopped is None
     table, _ = compile_table(load_profile([tmp_path / RECORDS_FILE]))
@@ -91,7 +91,8 @@ def test_injected_timing_drives_the_ranking(tmp_path):
 
 
 def test_time_budget_stops_and_resume_continues(tmp_path):
-    config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), minutes=0.0, progress=False)
+    config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), minutes=0.0, progress=False,
+                          interleave=False)
     summary = run_profile(config, measure=injected, log=lambda m: None)
     assert summary.stopped == "time budget" and summary.cases_done == 0
     assert not [r for r in records(tmp_path) if r["type"] in ("plan", "case")]
@@ -126,6 +127,33 @@ def test_plans_that_fail_the_oracle_are_recorded_and_never_ranked(tmp_path, monk
     assert not [name for name in table.plans if "split" in name]
 
 
+def test_interleaved_profile_validates_then_times_every_plan(tmp_path, monkeypatch):
+    """The default (interleaved) profile: every valid plan of a case is timed (reps samples, marked
+    interleaved, none abandoned), invalid plans are recorded as such and never timed, the table is
+    built. --sequential times plan by plan; a per-plan timer with an interleaving config is refused."""
+    real_execute = runner_module.execute
+
+    def broken_splits(prepared, q, k, v, scale, return_lse):
+        out = real_execute(prepared, q, k, v, scale, return_lse)
+        return out + 0.5 if prepared.plan.tasks.num_splits > 1 else out
+
+    monkeypatch.setattr(runner_module, "execute", broken_splits)
+    out = tmp_path / "p"
+    assert cli.main(TINY + ["--out", str(out), "--max-cases", "1", "--reps", "3"]) == 1
+    plans = [r for r in records(out) if r.get("type") == "plan"]
+    ok = [r for r in plans if r["status"] == "ok"]
+    invalid = [r for r in plans if r["status"] == "invalid"]
+    assert ok and all(r["interleaved"] and not r["abandoned"] and len(r["samples_ms"]) == 3 for r in ok)
+    assert invalid and all("split2" in r["plan"] and "samples_ms" not in r for r in invalid)
+    assert len(ok) + len(invalid) == len(plans)
+    assert load_plan_table(out / "plan_table_cpu.json").plans
+    sequential = tmp_path / "s"
+    cli.main(TINY + ["--out", str(sequential), "--max-cases", "1", "--reps", "3", "--sequential"])
+    assert not any(r.get("interleaved") for r in records(sequential) if r.get("status") == "ok")
+    with pytest.raises(InvalidArgumentError, match="measure"):
+        run_profile(smoke_config(tmp_path / "x", progress=False), measure=injected, log=lambda m: None)
+
+
 def test_profile_config_lists_cases_rank_major():
     config = ProfileConfig(out_dir=".", families=("Q64K64", "Q128K128"), sources=("sliding_tile", "text_sink"),
                            cases_per_combo=2)
@@ -144,7 +172,7 @@ def test_a_device_error_stops_the_run_after_recording_it(tmp_path):
     def crash(trial: Trial) -> Measured:
         raise NativeKernelError("attention failed: CUDA error 700 (an illegal memory access was encountered)")
 
-    config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), progress=False)
+    config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), progress=False, interleave=False)
     summary = run_profile(config, measure=crash, log=lambda m: None)
     assert summary.stopped.startswith("device error on") and summary.cases_done == 0
     (record,) = [r for r in records(tmp_path) if r["type"] == "plan"]
@@ -152,7 +180,8 @@ def test_a_device_error_stops_the_run_after_recording_it(tmp_path):
 
 
 def test_contenders_after_n_cases_prune_hopeless_plans(tmp_path):
-    config = smoke_config(tmp_path, families=("Q64K64",), contenders_after=2, contender_regret=1.05, progress=False)
+    config = smoke_config(tmp_path, families=("Q64K64",), contenders_after=2, contender_regret=1.05, progress=False,
+                          interleave=False)
     summary = run_profile(config, measure=injected, log=lambda m: None)
     assert summary.cases_done == 5
     cases = [r for r in records(tmp_path) if r["type"] == "case"]

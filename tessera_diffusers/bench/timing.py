@@ -72,6 +72,44 @@ def time_kernel(run: Callable[[int], object], n_sets: int, warmup: int, reps: in
     return Timing(tuple(float(s.elapsed_time(e)) for s, e in zip(starts, ends)), "cuda_events")
 
 
+def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: int, reps: int,
+                     device: torch.device) -> list[Timing]:
+    """Latencies of several kernels timed in turn: ``warmup`` untimed rounds of every ``runs[j](set)``
+    back to back, then ``reps`` timed rounds, each starting one kernel later than the last (so no
+    kernel always follows the same one). On CUDA every launch is queued without a host sync until
+    the end, so the GPU stays busy from the first warm-up to the last sample and every kernel is
+    timed in the same sustained state; timed one after another, a kernel that follows an idle gap
+    runs at a higher clock than one under load (up to 12% faster on the H200,
+    ``benchmarks/timing_spread.py``). Sample ``r`` of every kernel uses input set ``(warmup + r) % n_sets``."""
+    check_counts(warmup, reps)
+    if not runs:
+        return []
+    for w in range(warmup):
+        for run in runs:
+            run(w % n_sets)
+    n = len(runs)
+    if device.type != "cuda":
+        host = [[0.0] * reps for _ in range(n)]
+        for r in range(reps):
+            for k in range(n):
+                j = (r + k) % n
+                start = time.perf_counter_ns()
+                runs[j]((warmup + r) % n_sets)
+                host[j][r] = (time.perf_counter_ns() - start) / 1e6
+        return [Timing(tuple(samples), "host_monotonic") for samples in host]
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in range(n)]
+    for r in range(reps):
+        for k in range(n):
+            j = (r + k) % n
+            start, end = events[j][r]
+            start.record()
+            runs[j]((warmup + r) % n_sets)
+            end.record()
+    synchronize(device)
+    return [Timing(tuple(float(s.elapsed_time(e)) for s, e in pairs), "cuda_events") for pairs in events]
+
+
 def time_request(request: Callable[[int], object], n_sets: int, warmup: int, reps: int, device: torch.device) -> Timing:
     """Median host latency of a complete request ``request(set_index)``, synchronized at both ends."""
     check_counts(warmup, reps)

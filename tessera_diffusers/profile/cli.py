@@ -55,11 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validate-heads", type=int, default=2, help="heads checked against the oracle")
     parser.add_argument("--atol", type=float, default=None, help="absolute slack of the oracle check")
     parser.add_argument("--abandon-factor", type=float, default=1.25,
-                        help="keep one sample of a plan this many times slower than the case's best (0: off)")
+                        help="with --sequential: keep one sample of a plan this many times slower than the case's "
+                             "best (0: off)")
     parser.add_argument("--contenders-after", type=int, default=0,
                         help="after this many cases of a request key, time only plans within --contender-regret of "
                              "the best on one of them (and plans not yet seen); 0: every plan on every case")
     parser.add_argument("--contender-regret", type=float, default=1.2)
+    parser.add_argument("--sequential", action="store_true",
+                        help="time each plan right after its own validation (the method of records before "
+                             "2026-11-30; --abandon-factor applies) instead of validating a case's plans first and "
+                             "timing them in turn with the GPU kept busy")
     parser.add_argument("--plan-filter", default=None, help="regular expression over plan names")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -89,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
             input_sets=args.input_sets, validate_heads=args.validate_heads, atol=args.atol,
             abandon_factor=args.abandon_factor, minutes=args.minutes, plan_filter=args.plan_filter,
             contenders_after=args.contenders_after, contender_regret=args.contender_regret,
-            device=args.device, seed=args.seed, split=args.split, resume=not args.fresh,
+            interleave=not args.sequential, device=args.device, seed=args.seed, split=args.split, resume=not args.fresh,
             progress=not args.no_progress)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return ProfileConfig(
@@ -111,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
         abandon_factor=args.abandon_factor,
         contenders_after=args.contenders_after,
         contender_regret=args.contender_regret,
+        interleave=not args.sequential,
         minutes=args.minutes,
         plan_filter=args.plan_filter,
         device=device,

@@ -49,6 +49,13 @@ class ProfileConfig:
     # 0 (default): every eligible plan on every case.
     contenders_after: int = 0
     contender_regret: float = 1.2
+    # Validate every plan of a case first, then time them in turn with the GPU kept busy from the
+    # first warm-up to the last sample (bench.timing.time_interleaved); abandon_factor does not
+    # apply. False: each plan right after its own validation (warmup + reps), the only method
+    # before 2026-11-30, whose times depend on the plan's place in the order by up to +-10%
+    # (benchmarks/results/h200_timing_spread): one run's fastest plan was 1.013-1.017x the
+    # fastest of a repeat run on 20 cases, against 1.000-1.003x with interleaving.
+    interleave: bool = True
     minutes: float | None = None  # time budget of the measuring loop (None: no limit)
     plan_filter: str | None = None  # regular expression over plan names
     device: str = "cuda"

@@ -9,6 +9,10 @@ it, run it once and compare with the oracle (the criterion of
 atol, exact zeros on rows without keys), then time it — CUDA events, median of ``reps`` after
 ``warmup`` runs, rotating the input sets so L2 cannot hold them (``bench.timing``). A plan whose
 first timed run is already ``abandon_factor`` x slower than the case's best keeps that one sample.
+That is the ``interleave=False`` (``--sequential``) method. By default (``interleave``) the case's
+plans are all validated first and then timed in turn, in one busy stretch of the GPU (no plan
+abandoned): timed one by one between validations, a plan's time depended on its place in the order
+by up to +-10% (the GPU's clock after each idle gap), and a repeat run disagreed on the fastest plan.
 
 On a device without native kernels (the CPU smoke run) the plans are PyTorch-executor plans
 (reference family); tests can also inject the timing function. Every result is appended to
@@ -18,6 +22,7 @@ On a device without native kernels (the CPU smoke run) the plans are PyTorch-exe
 from __future__ import annotations
 
 import gc
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -28,12 +33,12 @@ import torch
 
 from ..bench.problem import OracleCheck, Problem, check_heads, dtype_named, make_inputs
 from ..bench.tessera_backends import request_of
-from ..bench.timing import Timing, synchronize, time_kernel
+from ..bench.timing import Timing, synchronize, time_interleaved, time_kernel
 from ..catalog import catalog_hash, plans_for, reference_kernel
 from ..corpus import CaseSpec
 from ..cost_model import estimate_ms
 from ..eligibility import rejection
-from ..errors import NativeKernelError
+from ..errors import InvalidArgumentError, NativeKernelError
 from ..mask_state import MaskState, build_mask_state
 from ..plan_table import kernel_to_dict, plan_to_dict
 from ..plans import KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization
@@ -46,6 +51,9 @@ ERROR_CHARS = 600
 # Query-tile heights, in block rows, whose row-union ratio a case record keeps: 128-row tiles over
 # 16-token blocks are 8 rows, 64-row tiles over 32-token blocks 2.
 ROW_UNION_SIZES = (2, 4, 8)
+# --interleave: untimed launches before a case's plans are timed in turn, so that every sample is
+# taken with the GPU under sustained load (about 150 ms of 3-ms kernels; benchmarks/timing_spread.py)
+INTERLEAVED_WARM_LAUNCHES = 48
 
 
 @dataclass(frozen=True)
@@ -191,10 +199,11 @@ def case_key(size: str, case: CaseSpec, config: ProfileConfig) -> str:
     return f"{size}:{case.name}:{config.dtype}:d{config.head_dim}:b{config.batch}"
 
 
-def measure_plan(key: str, plan: PhysicalPlan, problem: Problem, state: MaskState, inputs: list, oracle: OracleCheck,
-                 request: Request, best_ms: float | None, measure: Measure) -> dict:
-    """Validate then time one plan; a plan's own failure is a record, not an exception (the caller
-    records it and stops on a fatal device error)."""
+def validate_plan(key: str, plan: PhysicalPlan, problem: Problem, state: MaskState, inputs: list,
+                  oracle: OracleCheck) -> tuple[dict, PreparedPlan | None, Callable[[int], object] | None]:
+    """Prepare one plan, run it once and compare with the oracle: its record so far and, when the
+    output is valid, the prepared plan and ``run(i)`` on input set ``i`` (None and None otherwise:
+    the record says why)."""
     record: dict = {"type": "plan", "case": key, "plan": plan.name}
     start = time.perf_counter()
     prepared = prepare(plan, state)
@@ -212,11 +221,72 @@ def measure_plan(key: str, plan: PhysicalPlan, problem: Problem, state: MaskStat
     if not check.ok:
         why = "rows without keys are not 0" if check.within_tolerance else (
             f"max error {check.error:.3g} > {check.tolerance:.3g} allowed (twin error {check.twin_error:.3g})")
-        return {**record, "status": "invalid", "reason": f"output differs from the oracle: {why}"}
+        return {**record, "status": "invalid", "reason": f"output differs from the oracle: {why}"}, None, None
+    return record, prepared, run
+
+
+def failed_record(key: str, plan: PhysicalPlan, err: BaseException) -> tuple[dict, BaseException | None]:
+    """The record of a plan that raised, and the error again when it is fatal to the device."""
+    record = {"type": "plan", "case": key, "plan": plan.name, "status": "failed",
+              "reason": f"{type(err).__name__}: {err}"[:ERROR_CHARS]}
+    return record, (err if fatal_device_error(err) else None)
+
+
+def interleaved_case(key: str, plans: Sequence[PhysicalPlan], problem: Problem, state: MaskState, inputs: list,
+                     oracle: OracleCheck, config: ProfileConfig, out_of_time: Callable[[], bool],
+                     finish: Callable[..., str | None]) -> str | None:
+    """``--interleave``: validate every plan of the case, then time the valid ones in turn in one
+    busy stretch of the GPU (``bench.timing.time_interleaved``), at least ``INTERLEAVED_WARM_LAUNCHES``
+    warm-up launches first. No plan is abandoned. Returns why the run must stop, or None."""
+    valid = []
+    for plan in plans:
+        if out_of_time():
+            return "time budget"
+        try:
+            record, _, run = validate_plan(key, plan, problem, state, inputs, oracle)
+            fatal = None
+        except Exception as err:  # noqa: BLE001  (a plan's failure is a result)
+            (record, fatal), run = failed_record(key, plan, err), None
+        if run is None:
+            stopped = finish(key, plan, record, fatal)
+            if stopped is not None:
+                return stopped
+        else:
+            valid.append((plan, record, run))
+    if not valid:
+        return None
+    rounds = max(config.warmup, math.ceil(INTERLEAVED_WARM_LAUNCHES / len(valid)))
+    try:
+        timings = time_interleaved([run for *_, run in valid], len(inputs), rounds, config.reps, problem.device)
+    except Exception as err:  # noqa: BLE001  (the batch fails as one: each plan gets the record)
+        for plan, *_ in valid:
+            record, fatal = failed_record(key, plan, err)
+            stopped = finish(key, plan, record, fatal)
+            if stopped is not None:
+                return stopped
+        return None
+    for (plan, record, _), timing in zip(valid, timings):
+        finish(key, plan, timed_record(record, timing, interleaved=True))
+    return None
+
+
+def timed_record(record: dict, timing: Timing, abandoned: bool = False, interleaved: bool = False) -> dict:
+    out = {**record, "status": "ok", "latency_ms": timing.median_ms, "samples_ms": list(timing.samples_ms),
+           "timer": timing.timer, "abandoned": abandoned}
+    if interleaved:
+        out["interleaved"] = True
+    return out
+
+
+def measure_plan(key: str, plan: PhysicalPlan, problem: Problem, state: MaskState, inputs: list, oracle: OracleCheck,
+                 request: Request, best_ms: float | None, measure: Measure) -> dict:
+    """Validate then time one plan; a plan's own failure is a record, not an exception (the caller
+    records it and stops on a fatal device error)."""
+    record, prepared, run = validate_plan(key, plan, problem, state, inputs, oracle)
+    if prepared is None or run is None:
+        return record
     measured = measure(Trial(plan, prepared, request, run, len(inputs), problem.device, best_ms))
-    timing = measured.timing
-    return {**record, "status": "ok", "latency_ms": timing.median_ms, "samples_ms": list(timing.samples_ms),
-            "timer": timing.timer, "abandoned": measured.abandoned}
+    return timed_record(record, measured.timing, measured.abandoned)
 
 
 def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
@@ -241,6 +311,9 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
         log(f"{path} holds measurements of other kernel catalogs {sorted(others)}: plans measured then count as "
             "done; after rebuilding the kernels profile into a new --out (or pass --fresh)")
     append_record(path, {"type": "catalog", **catalog, "kernels": [kernel_to_dict(k) for k in kernels]})
+    if measure is not None and config.interleave:
+        raise InvalidArgumentError("measure", "no per-plan timer when the config interleaves (interleave=False)",
+                                   type(measure).__name__)
     measure = measure or KernelTimer(config.warmup, config.reps, config.abandon_factor)
     cases = config.cases()
     bars = Bars(len(cases), config.progress, log)
@@ -248,6 +321,22 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
 
     def out_of_time() -> bool:
         return deadline is not None and time.monotonic() >= deadline
+
+    def finish(key: str, plan: PhysicalPlan, record: dict, fatal: BaseException | None = None) -> str | None:
+        """Append one plan's record; the reason to stop when the CUDA context is gone."""
+        nonlocal new_plans
+        if plan.name not in progress.specs:  # each plan's spec once per records file
+            record["spec"] = plan_to_dict(plan)
+            progress.specs.add(plan.name)
+        append_record(path, record)
+        new_plans += 1
+        progress.done_plans.add((key, plan.name))
+        if fatal is not None:  # every later launch would fail too
+            return f"device error on {plan.name} ({type(fatal).__name__}: {fatal})"[:ERROR_CHARS]
+        if record["status"] == "ok":
+            progress.record_ok(key, plan.name, record["latency_ms"])
+        bars.plan_done(f"{record['status']} {plan.name}")
+        return None
 
     try:
         for index, (size, case) in enumerate(cases):
@@ -282,30 +371,22 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
             bars.start_case(key, len(todo))
             inputs = make_inputs(problem, config.input_sets, config.seed)
             oracle = OracleCheck(problem, inputs[0], check_heads(problem.heads, config.validate_heads), config.atol)
-            for plan in todo:
-                if out_of_time():
-                    stopped = "time budget"
-                    break
-                fatal = None
-                try:
-                    record = measure_plan(key, plan, problem, state, inputs, oracle, request,
-                                          progress.best_ms.get(key), measure)
-                except Exception as err:  # noqa: BLE001  (a plan's failure is a result)
-                    record = {"type": "plan", "case": key, "plan": plan.name,
-                              "status": "failed", "reason": f"{type(err).__name__}: {err}"[:ERROR_CHARS]}
-                    fatal = err if fatal_device_error(err) else None
-                if plan.name not in progress.specs:  # each plan's spec once per records file
-                    record["spec"] = plan_to_dict(plan)
-                    progress.specs.add(plan.name)
-                append_record(path, record)
-                new_plans += 1
-                progress.done_plans.add((key, plan.name))
-                if fatal is not None:  # the CUDA context is gone: every later launch would fail too
-                    stopped = f"device error on {plan.name} ({type(fatal).__name__}: {fatal})"[:ERROR_CHARS]
-                    break
-                if record["status"] == "ok":
-                    progress.record_ok(key, plan.name, record["latency_ms"])
-                bars.plan_done(f"{record['status']} {plan.name}")
+            if config.interleave:
+                stopped = interleaved_case(key, todo, problem, state, inputs, oracle, config, out_of_time, finish)
+            else:
+                for plan in todo:
+                    if out_of_time():
+                        stopped = "time budget"
+                        break
+                    fatal = None
+                    try:
+                        record = measure_plan(key, plan, problem, state, inputs, oracle, request,
+                                              progress.best_ms.get(key), measure)
+                    except Exception as err:  # noqa: BLE001  (a plan's failure is a result)
+                        record, fatal = failed_record(key, plan, err)
+                    stopped = finish(key, plan, record, fatal)
+                    if stopped is not None:
+                        break
             if stopped is None:
                 ok = sum(1 for p in plans if (key, p.name) in progress.done_plans)
                 append_record(path, {**case_record(key, size, case, problem, request, stats, plans, rejected, device,
