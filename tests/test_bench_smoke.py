@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 
 import pytest
 import torch
@@ -154,6 +155,23 @@ def test_timing_rotates_inputs_and_counts_reps() -> None:
     assert calls == [0, 1, 0, 1] and len(timing.samples_ms) == 3
     with pytest.raises(InvalidArgumentError):
         time_kernel(calls.append, 1, 0, 0, torch.device("cpu"))
+
+
+def test_sustained_warmup_runs_until_the_device_was_busy_that_long() -> None:
+    """time_kernel(..., warmup_ms): after the counted warm-ups, calls in growing batches until they
+    took that long (host time on a CPU), rotating the input sets on; then the timed calls."""
+    calls = []
+
+    def run(i):
+        calls.append(i)
+        time.sleep(0.001)
+
+    timing = time_kernel(run, 3, 2, 4, torch.device("cpu"), warmup_ms=6.0)
+    warm = len(calls) - 2 - 4
+    assert 3 <= warm <= 7  # batches of 1, 2, 4 calls of >= 1 ms each reach 6 ms after 3 to 7 calls
+    assert calls == [i % 3 for i in range(len(calls))] and len(timing.samples_ms) == 4
+    with pytest.raises(InvalidArgumentError, match="warmup_ms"):
+        time_kernel(run, 1, 0, 1, torch.device("cpu"), warmup_ms=-1.0)
 
 
 def test_interleaved_timing_takes_every_kernel_in_turn() -> None:

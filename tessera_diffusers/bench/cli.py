@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=None, help="override the size profile's head count")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup-ms", type=float, default=0.0,
+                        help="then keep warming up until the device has been busy this long, so every backend is "
+                             "timed under sustained load (e.g. 200; 0: the --warmup calls only)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--input-sets", type=int, default=3, help="rotated q/k/v sets (keeps operands out of L2)")
     parser.add_argument("--request-reps", type=int, default=3)
@@ -125,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         batch=args.batch,
         heads=args.heads,
         warmup=args.warmup,
+        warmup_ms=args.warmup_ms,
         reps=args.reps,
         input_sets=args.input_sets,
         request_reps=args.request_reps,

@@ -96,6 +96,9 @@ class BenchConfig:
     batch: int = 1
     heads: int | None = None  # overrides the size profile's head counts
     warmup: int = 3
+    # After the warm-up calls, keep calling until the device has been busy this long (ms) before the
+    # timed calls, so every backend is timed under sustained load. 0: the warm-up calls only.
+    warmup_ms: float = 0.0
     reps: int = 10
     input_sets: int = 3
     request_reps: int = 3
@@ -131,6 +134,8 @@ class BenchConfig:
                                    ("batch", self.batch, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidArgumentError(name, f"an int >= {least}", repr(value))
+        if isinstance(self.warmup_ms, bool) or not isinstance(self.warmup_ms, (int, float)) or not self.warmup_ms >= 0:
+            raise InvalidArgumentError("warmup_ms", "a number of milliseconds >= 0", repr(self.warmup_ms))
 
     def cases(self) -> list[tuple[str, CaseSpec]]:
         """``(size label, case)`` pairs: the whole evaluation split with ``full``, else

@@ -140,7 +140,8 @@ def measure(state: RunState, backend: Backend, problem: Problem, inputs: list, o
         if strict and not check.empty_rows_zero:
             return failure(record, "invalid", "rows without keys are not 0")
         n = len(converted)
-        kernel = time_kernel(lambda i: backend.run(prepared, converted[i]), n, cfg.warmup, cfg.reps, problem.device)
+        kernel = time_kernel(lambda i: backend.run(prepared, converted[i]), n, cfg.warmup, cfg.reps, problem.device,
+                             cfg.warmup_ms)
         converted = []  # free the converted copies before the request timing makes its own
         request = None
         reps = cfg.plan_request_reps if isinstance(backend, TesseraPlan) else cfg.request_reps

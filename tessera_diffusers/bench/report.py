@@ -180,8 +180,9 @@ def header_lines(env: dict, config: BenchConfig) -> list[str]:
     else:
         sizes = "- sizes: " + "; ".join(f"{s}: {SIZE_PROFILES[s].description}" for s in config.sizes)
     timer = "CUDA-event" if env.get("gpu") else "host-clock"
+    warm = f"{config.warmup} warm-ups" + (f" and {config.warmup_ms:g} ms of sustained warm-up" if config.warmup_ms else "")
     protocol = (f"- {config.dtype}, D={config.head_dim}, batch {config.batch}; kernel latency = median of "
-                f"{config.reps} {timer} timings after {config.warmup} warm-ups over {config.input_sets} rotated "
+                f"{config.reps} {timer} timings after {warm} over {config.input_sets} rotated "
                 f"input sets; complete request = median of {config.request_reps} host-clock timings; every output "
                 f"checked against the fp32 oracle on {config.validate_heads} heads before it is timed")
     return [

@@ -49,16 +49,23 @@ def check_counts(warmup: int, reps: int) -> None:
         raise InvalidArgumentError("reps", "a positive int", reps)
 
 
-def time_kernel(run: Callable[[int], object], n_sets: int, warmup: int, reps: int, device: torch.device) -> Timing:
-    """Median latency of ``run(set_index)``; call ``i`` uses input set ``i % n_sets``."""
+def time_kernel(run: Callable[[int], object], n_sets: int, warmup: int, reps: int, device: torch.device,
+                warmup_ms: float = 0.0) -> Timing:
+    """Median latency of ``run(set_index)``; call ``i`` uses input set ``i % n_sets``. With
+    ``warmup_ms`` the warm-up goes on, after the ``warmup`` calls, until the calls have kept the
+    device busy that long, so the samples are taken under sustained load (a kernel timed right after
+    an idle gap can run several percent faster than in a loop: ``benchmarks/timing_spread.py``)."""
     check_counts(warmup, reps)
+    if warmup_ms < 0:
+        raise InvalidArgumentError("warmup_ms", "a non-negative number of milliseconds", warmup_ms)
     for i in range(warmup):
         run(i % n_sets)
+    first = warmup + (warm_for(run, n_sets, warmup, warmup_ms, device) if warmup_ms > 0 else 0)
     if device.type != "cuda":
         samples = []
         for i in range(reps):
             start = time.perf_counter_ns()
-            run((warmup + i) % n_sets)
+            run((first + i) % n_sets)
             samples.append((time.perf_counter_ns() - start) / 1e6)
         return Timing(tuple(samples), "host_monotonic")
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -66,10 +73,34 @@ def time_kernel(run: Callable[[int], object], n_sets: int, warmup: int, reps: in
     synchronize(device)
     for i in range(reps):
         starts[i].record()
-        run((warmup + i) % n_sets)
+        run((first + i) % n_sets)
         ends[i].record()
     synchronize(device)
     return Timing(tuple(float(s.elapsed_time(e)) for s, e in zip(starts, ends)), "cuda_events")
+
+
+def warm_for(run: Callable[[int], object], n_sets: int, start: int, warmup_ms: float, device: torch.device) -> int:
+    """Call ``run`` (input sets rotating from ``start``) in growing batches until the batches have
+    taken ``warmup_ms`` in all (device time on CUDA, host time elsewhere). Returns the calls made."""
+    calls, batch, spent = 0, 1, 0.0
+    while spent < warmup_ms:
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(batch):
+                run((start + calls) % n_sets)
+                calls += 1
+            end.record()
+            end.synchronize()
+            spent += float(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter_ns()
+            for _ in range(batch):
+                run((start + calls) % n_sets)
+                calls += 1
+            spent += (time.perf_counter_ns() - t0) / 1e6
+        batch = min(2 * batch, 64)
+    return calls
 
 
 def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: int, reps: int,
