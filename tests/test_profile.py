@@ -110,14 +110,19 @@ def test_hopeless_plans_keep_one_sample():
     assert not measured.abandoned and len(measured.timing.samples_ms) == 5 and len(calls) == 1 + 1 + 3 + 5
 
 
-def test_plans_that_fail_the_oracle_are_recorded_and_never_ranked(tmp_path, monkeypatch):
+@pytest.fixture
+def broken_splits(monkeypatch):
+    """Plans with split-K give a wrong output (0.5 added), so the oracle check must reject them."""
     real_execute = runner_module.execute
 
-    def broken_splits(prepared, q, k, v, scale, return_lse):
+    def execute(prepared, q, k, v, scale, return_lse):
         out = real_execute(prepared, q, k, v, scale, return_lse)
         return out + 0.5 if prepared.plan.tasks.num_splits > 1 else out
 
-    monkeypatch.setattr(runner_module, "execute", broken_splits)
+    monkeypatch.setattr(runner_module, "execute", execute)
+
+
+def test_plans_that_fail_the_oracle_are_recorded_and_never_ranked(tmp_path, broken_splits):
     out = tmp_path / "p"
     assert cli.main(TINY + ["--out", str(out), "--max-cases", "1"]) == 1  # an invalid plan: exit status 1
     invalid = [r for r in records(out) if r.get("status") == "invalid"]
@@ -127,17 +132,10 @@ def test_plans_that_fail_the_oracle_are_recorded_and_never_ranked(tmp_path, monk
     assert not [name for name in table.plans if "split" in name]
 
 
-def test_interleaved_profile_validates_then_times_every_plan(tmp_path, monkeypatch):
+def test_interleaved_profile_validates_then_times_every_plan(tmp_path, broken_splits):
     """The default (interleaved) profile: every valid plan of a case is timed (reps samples, marked
     interleaved, none abandoned), invalid plans are recorded as such and never timed, the table is
     built. --sequential times plan by plan; a per-plan timer with an interleaving config is refused."""
-    real_execute = runner_module.execute
-
-    def broken_splits(prepared, q, k, v, scale, return_lse):
-        out = real_execute(prepared, q, k, v, scale, return_lse)
-        return out + 0.5 if prepared.plan.tasks.num_splits > 1 else out
-
-    monkeypatch.setattr(runner_module, "execute", broken_splits)
     out = tmp_path / "p"
     assert cli.main(TINY + ["--out", str(out), "--max-cases", "1", "--reps", "3"]) == 1
     plans = [r for r in records(out) if r.get("type") == "plan"]
