@@ -110,8 +110,9 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
     kernel always follows the same one). On CUDA every launch is queued without a host sync until
     the end, so the GPU stays busy from the first warm-up to the last sample and every kernel is
     timed in the same sustained state; timed one after another, a kernel that follows an idle gap
-    runs at a higher clock than one under load (up to 12% faster on the H200,
-    ``benchmarks/timing_spread.py``). Sample ``r`` of every kernel uses input set ``(warmup + r) % n_sets``."""
+    can run faster than one under load (up to 12% on the H200, as a higher clock after idle would:
+    ``benchmarks/timing_spread.py``). Sample ``r`` of every kernel uses input set
+    ``(warmup + r) % n_sets``."""
     check_counts(warmup, reps)
     if not runs:
         return []

@@ -12,7 +12,8 @@ first timed run is already ``abandon_factor`` x slower than the case's best keep
 That is the ``interleave=False`` (``--sequential``) method. By default (``interleave``) the case's
 plans are all validated first and then timed in turn, in one busy stretch of the GPU (no plan
 abandoned): timed one by one between validations, a plan's time depended on its place in the order
-by up to +-10% (the GPU's clock after each idle gap), and a repeat run disagreed on the fastest plan.
+by up to +-10% (as the GPU's clock after each idle gap would make it), and a repeat run disagreed on
+the fastest plan.
 
 On a device without native kernels (the CPU smoke run) the plans are PyTorch-executor plans
 (reference family); tests can also inject the timing function. Every result is appended to
@@ -51,8 +52,9 @@ ERROR_CHARS = 600
 # Query-tile heights, in block rows, whose row-union ratio a case record keeps: 128-row tiles over
 # 16-token blocks are 8 rows, 64-row tiles over 32-token blocks 2.
 ROW_UNION_SIZES = (2, 4, 8)
-# --interleave: untimed launches before a case's plans are timed in turn, so that every sample is
-# taken with the GPU under sustained load (about 150 ms of 3-ms kernels; benchmarks/timing_spread.py)
+# Interleaved timing (the default): untimed launches before a case's plans are timed in turn, so that
+# every sample is taken with the GPU under sustained load (about 150 ms of 3-ms kernels;
+# benchmarks/timing_spread.py)
 INTERLEAVED_WARM_LAUNCHES = 48
 
 
@@ -235,9 +237,10 @@ def failed_record(key: str, plan: PhysicalPlan, err: BaseException) -> tuple[dic
 def interleaved_case(key: str, plans: Sequence[PhysicalPlan], problem: Problem, state: MaskState, inputs: list,
                      oracle: OracleCheck, config: ProfileConfig, out_of_time: Callable[[], bool],
                      finish: Callable[..., str | None]) -> str | None:
-    """``--interleave``: validate every plan of the case, then time the valid ones in turn in one
-    busy stretch of the GPU (``bench.timing.time_interleaved``), at least ``INTERLEAVED_WARM_LAUNCHES``
-    warm-up launches first. No plan is abandoned. Returns why the run must stop, or None."""
+    """Interleaved timing (the default): validate every plan of the case, then time the valid ones
+    in turn in one busy stretch of the GPU (``bench.timing.time_interleaved``), at least
+    ``INTERLEAVED_WARM_LAUNCHES`` warm-up launches first. No plan is abandoned. Returns why the run
+    must stop, or None."""
     valid = []
     for plan in plans:
         if out_of_time():
@@ -293,6 +296,9 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
                 log: Callable[[str], None] = print) -> ProfileSummary:
     """Profile every case of ``config`` (see the module docstring). Returns what was done; the
     records are in ``<out_dir>/profile.jsonl``."""
+    if measure is not None and config.interleave:
+        raise InvalidArgumentError("measure", "no per-plan timer when the config interleaves (interleave=False)",
+                                   type(measure).__name__)
     started = time.monotonic()
     deadline = None if config.minutes is None else started + 60.0 * config.minutes
     device = torch.device(config.device)
@@ -311,9 +317,6 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
         log(f"{path} holds measurements of other kernel catalogs {sorted(others)}: plans measured then count as "
             "done; after rebuilding the kernels profile into a new --out (or pass --fresh)")
     append_record(path, {"type": "catalog", **catalog, "kernels": [kernel_to_dict(k) for k in kernels]})
-    if measure is not None and config.interleave:
-        raise InvalidArgumentError("measure", "no per-plan timer when the config interleaves (interleave=False)",
-                                   type(measure).__name__)
     measure = measure or KernelTimer(config.warmup, config.reps, config.abandon_factor)
     cases = config.cases()
     bars = Bars(len(cases), config.progress, log)
