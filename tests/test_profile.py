@@ -152,6 +152,21 @@ def test_interleaved_profile_validates_then_times_every_plan(tmp_path, broken_sp
         run_profile(smoke_config(tmp_path / "x", progress=False), measure=injected, log=lambda m: None)
 
 
+def test_resuming_with_another_timing_method_is_flagged(tmp_path):
+    """A records file timed sequentially, resumed with the default interleaved timing: the run says
+    the two are not comparable, and the compiler notes the mix in its report."""
+    first = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), max_cases=1, progress=False,
+                         interleave=False)
+    run_profile(first, log=lambda m: None)
+    logs: list[str] = []
+    run_profile(ProfileConfig(**{**first.__dict__, "max_cases": 2, "interleave": True,
+                                 "sources": ("sliding_tile", "temporal_heads")}), log=logs.append)
+    assert any("sequential timings and this run times interleaved" in line for line in logs)
+    methods = {r.get("interleaved", False) for r in records(tmp_path) if r.get("status") == "ok"}
+    assert methods == {False, True}
+    assert any("mix timing methods" in note for note in load_profile([tmp_path / RECORDS_FILE]).notes)
+
+
 def test_profile_config_lists_cases_rank_major():
     config = ProfileConfig(out_dir=".", families=("Q64K64", "Q128K128"), sources=("sliding_tile", "text_sink"),
                            cases_per_combo=2)

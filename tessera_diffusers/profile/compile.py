@@ -60,7 +60,7 @@ from ..plan_table import (
     tile_group,
 )
 from ..plans import KernelSpec, PhysicalPlan, Request
-from .records import read_records, request_from_dict
+from .records import read_records, request_from_dict, timing_method
 
 # Regret charged in cross-validation when no ranked plan is valid on a held-out case.
 MISSING_REGRET = 2.0
@@ -152,6 +152,7 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
     case_records: dict[str, dict] = {}
     latencies: dict[str, dict[str, float]] = defaultdict(dict)
     specs: dict[str, dict] = {}
+    methods: Counter = Counter()
     for record in read_records(paths, skipped):
         kind = record.get("type")
         if kind == "catalog":
@@ -166,6 +167,7 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
                 specs.setdefault(record["plan"], record["spec"])
             if record.get("status") == "ok":
                 latencies[record["case"]][record["plan"]] = float(record["latency_ms"])
+                methods[timing_method(record)] += 1
     if not case_records:
         why = f" ({held_out} evaluation-split cases are never compiled)" if held_out else ""
         raise PlanTableError(f"no complete profiled case in the records (run `tessera profile` first){why}")
@@ -199,6 +201,9 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
                                   MappingProxyType(dict(latencies.get(record["case"], {})))))
     if skipped:
         notes.append(f"skipped {len(skipped)} unreadable record line(s)")
+    if len(methods) > 1:
+        notes.append(f"the records mix timing methods ({dict(methods)} timed plans): their times are not comparable "
+                     "(records.timing_method), so rankings across them are not either; compile records of one method")
     if held_out:
         notes.append(f"left out {held_out} evaluation-split cases")
     named = {name for c in cases for name in c.latencies}

@@ -51,6 +51,7 @@ class Progress:
     latencies: dict = field(default_factory=dict)  # case key -> {plan: median ms} of valid plans
     groups: dict = field(default_factory=dict)  # "<size>|<request key>" -> complete case keys
     catalogs: set = field(default_factory=set)  # catalog hashes of the runs that wrote the file
+    methods: set = field(default_factory=set)  # timing methods of its timed plans ("interleaved", "sequential")
     bad_lines: int = 0
 
     def record_ok(self, case: str, plan: str, ms: float) -> None:
@@ -103,6 +104,7 @@ def load_progress(path: Path) -> Progress:
                 progress.specs.add(record.get("plan"))
             if record.get("status") == "ok":
                 progress.record_ok(case, record.get("plan"), float(record["latency_ms"]))
+                progress.methods.add(timing_method(record))
         elif record.get("type") == "catalog":
             progress.catalogs.add(record.get("catalog_hash"))
         elif record.get("type") == "case":
@@ -110,6 +112,13 @@ def load_progress(path: Path) -> Progress:
             progress.groups.setdefault(f"{record.get('size')}|{record.get('key')}", []).append(case)
     progress.bad_lines = len(skipped)
     return progress
+
+
+def timing_method(record: dict) -> str:
+    """How a timed plan record was measured: "interleaved" (a case's plans in turn, the GPU kept
+    busy) or "sequential" (each plan right after its own validation, the only method before
+    2026-11-30). Their times are not comparable: see ``ProfileConfig.interleave``."""
+    return "interleaved" if record.get("interleaved") else "sequential"
 
 
 def append_record(path: Path, record: dict) -> None:

@@ -310,6 +310,10 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
     progress = load_progress(path) if config.resume else Progress()
     if progress.bad_lines:
         log(f"{path}: skipped {progress.bad_lines} unreadable line(s) (a run cut short mid-write)")
+    method = "interleaved" if config.interleave else "sequential"
+    if progress.methods - {method}:
+        log(f"{path} holds {'/'.join(sorted(progress.methods - {method}))} timings and this run times {method}: "
+            "their times are not comparable, profile into a new --out (or pass --fresh, or match the method)")
     kernels = profiling_kernels(device)
     catalog = {"catalog_hash": catalog_hash(kernels)}
     others = progress.catalogs - {catalog["catalog_hash"]}
