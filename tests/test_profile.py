@@ -152,6 +152,27 @@ def test_interleaved_profile_validates_then_times_every_plan(tmp_path, broken_sp
         run_profile(smoke_config(tmp_path / "x", progress=False), measure=injected, log=lambda m: None)
 
 
+def test_interleaved_profile_makes_room_when_memory_runs_out(tmp_path, monkeypatch):
+    """Out of memory while validating the third plan: the two validated plans are timed and freed
+    first, then the third is validated again; every plan ends timed, none failed."""
+    real_validate = runner_module.validate_plan
+    calls = []
+
+    def validate(key, plan, *args):
+        calls.append(plan.name)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_validate(key, plan, *args)
+
+    monkeypatch.setattr(runner_module, "validate_plan", validate)
+    config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), max_cases=1, progress=False)
+    run_profile(config, log=lambda m: None)
+    plans = [r for r in records(tmp_path) if r.get("type") == "plan"]
+    assert plans and all(r["status"] == "ok" and r["interleaved"] for r in plans)
+    assert calls[2] == calls[3] and len(calls) == len(plans) + 1
+    assert [r["plan"] for r in plans][:3] == [calls[0], calls[1], calls[2]]  # the first two were timed first
+
+
 def test_resuming_with_another_timing_method_is_flagged(tmp_path):
     """A records file timed sequentially, resumed with the default interleaved timing: the run says
     the two are not comparable, and the compiler notes the mix in its report."""

@@ -239,28 +239,49 @@ def interleaved_case(key: str, plans: Sequence[PhysicalPlan], problem: Problem, 
                      finish: Callable[..., str | None]) -> str | None:
     """Interleaved timing (the default): validate every plan of the case, then time the valid ones
     in turn in one busy stretch of the GPU (``bench.timing.time_interleaved``), at least
-    ``INTERLEAVED_WARM_LAUNCHES`` warm-up launches first. No plan is abandoned. Returns why the run
-    must stop, or None."""
-    valid = []
+    ``INTERLEAVED_WARM_LAUNCHES`` warm-up launches first. No plan is abandoned. The validated plans
+    keep their prepared metadata until they are timed: when the device runs out of memory for the
+    next one, the plans validated so far are timed as one batch and freed, and that plan is tried
+    again (out of memory alone, it is a failure). Returns why the run must stop, or None."""
+    valid: list = []
     for plan in plans:
         if out_of_time():
             return "time budget"
-        try:
-            record, _, run = validate_plan(key, plan, problem, state, inputs, oracle)
-            fatal = None
-        except Exception as err:  # noqa: BLE001  (a plan's failure is a result)
-            (record, fatal), run = failed_record(key, plan, err), None
+        while True:
+            try:
+                record, _, run = validate_plan(key, plan, problem, state, inputs, oracle)
+                fatal = None
+            except torch.OutOfMemoryError as err:
+                if valid:  # make room: time what is validated, then try this plan again
+                    stopped = time_batch(key, valid, len(inputs), config, problem.device, finish)
+                    valid = []
+                    if problem.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    if stopped is not None:
+                        return stopped
+                    continue
+                (record, fatal), run = failed_record(key, plan, err), None
+            except Exception as err:  # noqa: BLE001  (a plan's failure is a result)
+                (record, fatal), run = failed_record(key, plan, err), None
+            break
         if run is None:
             stopped = finish(key, plan, record, fatal)
             if stopped is not None:
                 return stopped
         else:
             valid.append((plan, record, run))
+    return time_batch(key, valid, len(inputs), config, problem.device, finish)
+
+
+def time_batch(key: str, valid: list, n_sets: int, config: ProfileConfig, device: torch.device,
+               finish: Callable[..., str | None]) -> str | None:
+    """Time validated ``(plan, record, run)`` triples in turn and record them; a failure of the
+    batch is every plan's record. Returns why the run must stop, or None."""
     if not valid:
         return None
     rounds = max(config.warmup, math.ceil(INTERLEAVED_WARM_LAUNCHES / len(valid)))
     try:
-        timings = time_interleaved([run for *_, run in valid], len(inputs), rounds, config.reps, problem.device)
+        timings = time_interleaved([run for *_, run in valid], n_sets, rounds, config.reps, device)
     except Exception as err:  # noqa: BLE001  (the batch fails as one: each plan gets the record)
         for plan, *_ in valid:
             record, fatal = failed_record(key, plan, err)
