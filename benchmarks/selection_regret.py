@@ -40,7 +40,7 @@ from tessera_diffusers.corpus import CaseSpec
 from tessera_diffusers.corpus.grids import grid_named
 from tessera_diffusers.plan_table import load_plan_table
 from tessera_diffusers.plans import DTYPE_NAMES, Request
-from tessera_diffusers.profile.records import read_records, request_from_dict
+from tessera_diffusers.profile.records import read_records, request_from_dict, timing_method
 from tessera_diffusers.selector import AUTO, Selector
 
 
@@ -66,14 +66,21 @@ def profile_cases(records: list[dict]) -> dict[str, dict]:
     so far) are listed under "abandoned": their latency is that one sample."""
     latencies: dict[str, dict[str, float]] = {}
     abandoned: dict[str, set[str]] = {}
+    methods: dict[str, set[str]] = {}
     for rec in records:
         if rec.get("type") == "plan" and rec.get("status") == "ok":
             latencies.setdefault(rec["case"], {})[rec["plan"]] = float(rec["latency_ms"])
+            methods.setdefault(rec["case"], set()).add(timing_method(rec))
             if rec.get("abandoned"):
                 abandoned.setdefault(rec["case"], set()).add(rec["plan"])
     return {rec["case"]: {"record": rec, "plans": latencies.get(rec["case"], {}),
-                          "abandoned": abandoned.get(rec["case"], set())}
+                          "abandoned": abandoned.get(rec["case"], set()), "methods": methods.get(rec["case"], set())}
             for rec in records if rec.get("type") == "case" and latencies.get(rec["case"])}
+
+
+def timing_methods(run: dict[str, dict]) -> set[str]:
+    """The timing methods of a run's cases (``records.timing_method``; none for a kernel study)."""
+    return set().union(*(case.get("methods", set()) for case in run.values()))
 
 
 def merge_runs(runs: list[dict[str, dict]]) -> dict[str, dict]:
@@ -220,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"- {sel_name}: {summary_text(values, aside)}; "
                          f"of it, the task organization within the chosen tile GM {gm_of(o for o, _ in splits[sel_name]):.4f}, "
                          f"the tile GM {gm_of(t for _, t in splits[sel_name]):.4f}")
+    methods = [timing_methods(run) for run in runs]
+    if len(set().union(*methods)) > 1:
+        lines.append(f"- note: the records mix timing methods ({', '.join('/'.join(sorted(m)) or '-' for m in methods)}): "
+                     "sequential and interleaved times are not comparable")
     if len(runs) > 1:
         lines += [f"- latencies: geometric mean of {len(runs)} runs of the same cases, plans timed in all of them",
                   *repeat_floor(runs, [str(path) for path in args.records])]

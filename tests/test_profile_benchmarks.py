@@ -53,10 +53,14 @@ def test_selection_regret_reads_profile_records_and_their_abandoned_plans():
         {"type": "plan", "case": "c1", "plan": "broken", "status": "failed", "latency_ms": None},
         {"type": "plan", "case": "c2", "plan": "fast", "status": "ok", "latency_ms": 2.0},  # no case record
     ]
-    cases = load("selection_regret").profile_cases([case, *plans])
+    report = load("selection_regret")
+    cases = report.profile_cases([case, *plans])
     assert set(cases) == {"c1"}
     assert cases["c1"]["plans"] == {"fast": 1.0, "slow": 1.6}
     assert cases["c1"]["abandoned"] == {"slow"}
+    assert report.timing_methods(cases) == {"sequential"}
+    plans[0]["interleaved"] = True
+    assert report.timing_methods(report.profile_cases([case, *plans])) == {"sequential", "interleaved"}
 
 
 def test_selection_regret_averages_repeated_runs_and_reports_the_repeat_floor():
