@@ -31,6 +31,7 @@ import gc
 import json
 import math
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def case_summary(entry: dict) -> dict:
     per_plan = {}
     for name, pairs in plans.items():
         firsts = [a for a, _ in pairs]
-        per_plan[name] = {"median_ms": median(firsts), "round_spread": max(firsts) / min(firsts),
+        per_plan[name] = {"median_ms": statistics.median(firsts), "round_spread": max(firsts) / min(firsts),
                           "same_buffers_max_change": max(abs(math.log(b / a)) for a, b in pairs)}
     reference = {name: row["median_ms"] for name, row in per_plan.items()}
     best = min(reference.values())
@@ -132,17 +133,7 @@ def case_summary(entry: dict) -> dict:
     winners = [min(plans, key=lambda n, r=r: plans[n][r][0]) for r in range(n_rounds)]
     floor = [reference[w] / best for w in winners]
     return {"case": entry["case"], "plans": per_plan, "winners": winners,
-            "distinct_winners": len(set(winners)), "round_winner_regret_gm": gm(floor), "worst": max(floor)}
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-
-
-def gm(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+            "distinct_winners": len(set(winners)), "round_winner_regret_gm": statistics.geometric_mean(floor), "worst": max(floor)}
 
 
 def markdown(summaries: list[dict], args: argparse.Namespace) -> str:
@@ -162,8 +153,8 @@ def markdown(summaries: list[dict], args: argparse.Namespace) -> str:
     spreads = [row["round_spread"] for s in summaries for row in s["plans"].values()]
     same = [math.exp(row["same_buffers_max_change"]) for s in summaries for row in s["plans"].values()]
     if spreads:
-        lines += ["", f"- over rounds (new buffers): max / min GM {gm(spreads):.4f}, worst {max(spreads):.3f}",
-                  f"- within a round (same buffers): max change GM {gm(same) - 1:.2%}, worst {max(same) - 1:.2%}"]
+        lines += ["", f"- over rounds (new buffers): max / min GM {statistics.geometric_mean(spreads):.4f}, worst {max(spreads):.3f}",
+                  f"- within a round (same buffers): max change GM {statistics.geometric_mean(same) - 1:.2%}, worst {max(same) - 1:.2%}"]
     return "\n".join(lines) + "\n"
 
 

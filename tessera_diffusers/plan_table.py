@@ -29,8 +29,8 @@ File format (JSON, no pickles)::
        "provenance": {...}}}
 
 A regime's *schedule rules* (optional) choose the task organization of one tile group — plans that
-share geometry, KV layout and kernel and differ only in traversal, split-K or persistence — by one
-statistic: the chosen plan of that group becomes ``below`` when the mask's statistic is ``<= le``,
+share geometry, KV layout and kernel tile (``tile_group``) and differ only in traversal, split-K,
+persistence or pipeline depth — by one statistic: the chosen plan of that group becomes ``below`` when the mask's statistic is ``<= le``,
 else ``above``. The compiler keeps a rule only where cross-validation says it beats one variant.
 
 A tree node with ``"stat"`` sends a mask whose statistic is ``<= le`` to ``left``, else to ``right``;

@@ -15,7 +15,7 @@ Order of decision:
    contenders (plans within 3% of the best on one of its cases) to the cost model, on this mask's
    statistics (one read; kept per regime with ``reuse_regime``). A regime's *schedule rule* for the
    chosen plan's tile group then picks its task organization (persistent grid or one CTA per task,
-   split-K, traversal) by one statistic (the same read), when the rule's plan is eligible.
+   split-K, traversal, pipeline depth) by one statistic (the same read), when the rule's plan is eligible.
 2. Otherwise (no table, key not profiled, table rejected, every ranked plan ineligible) the analytic
    roofline cost model ranks every eligible catalog plan.
 3. No eligible native plan: None, the reference oracle (warned once on CUDA).

@@ -83,24 +83,31 @@ def warm_for(run: Callable[[int], object], n_sets: int, start: int, warmup_ms: f
     """Call ``run`` (input sets rotating from ``start``) in growing batches until the batches have
     taken ``warmup_ms`` in all (device time on CUDA, host time elsewhere). Returns the calls made."""
     calls, batch, spent = 0, 1, 0.0
+
+    def one_batch() -> None:
+        for i in range(batch):
+            run((start + calls + i) % n_sets)
+
     while spent < warmup_ms:
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(batch):
-                run((start + calls) % n_sets)
-                calls += 1
-            end.record()
-            end.synchronize()
-            spent += float(begin.elapsed_time(end))
-        else:
-            t0 = time.perf_counter_ns()
-            for _ in range(batch):
-                run((start + calls) % n_sets)
-                calls += 1
-            spent += (time.perf_counter_ns() - t0) / 1e6
+        spent += elapsed_ms(one_batch, device)
+        calls += batch
         batch = min(2 * batch, 64)
     return calls
+
+
+def elapsed_ms(block: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds ``block()`` takes: CUDA events around it on the current stream (waited for), or
+    the host clock on other devices."""
+    if device.type != "cuda":
+        start = time.perf_counter_ns()
+        block()
+        return (time.perf_counter_ns() - start) / 1e6
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    block()
+    end.record()
+    end.synchronize()
+    return float(begin.elapsed_time(end))
 
 
 def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: int, reps: int,
@@ -120,24 +127,21 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
         for run in runs:
             run(w % n_sets)
     n = len(runs)
+    order = [(r, (r + k) % n) for r in range(reps) for k in range(n)]  # (round, kernel) in launch order
     if device.type != "cuda":
         host = [[0.0] * reps for _ in range(n)]
-        for r in range(reps):
-            for k in range(n):
-                j = (r + k) % n
-                start = time.perf_counter_ns()
-                runs[j]((warmup + r) % n_sets)
-                host[j][r] = (time.perf_counter_ns() - start) / 1e6
+        for r, j in order:
+            start = time.perf_counter_ns()
+            runs[j]((warmup + r) % n_sets)
+            host[j][r] = (time.perf_counter_ns() - start) / 1e6
         return [Timing(tuple(samples), "host_monotonic") for samples in host]
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
               for _ in range(n)]
-    for r in range(reps):
-        for k in range(n):
-            j = (r + k) % n
-            start, end = events[j][r]
-            start.record()
-            runs[j]((warmup + r) % n_sets)
-            end.record()
+    for r, j in order:  # queued without a host sync: the device stays busy from launch to launch
+        start, end = events[j][r]
+        start.record()
+        runs[j]((warmup + r) % n_sets)
+        end.record()
     synchronize(device)
     return [Timing(tuple(float(s.elapsed_time(e)) for s, e in pairs), "cuda_events") for pairs in events]
 

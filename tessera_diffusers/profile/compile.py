@@ -409,9 +409,10 @@ def fit_schedule_rules(data: BucketData, rows: np.ndarray, choosable: Iterable[s
             continue
         group_best = data.lat[np.ix_(rows, variants)].min(axis=1)
         contending = rows[group_best <= CONTENDER_REGRET * case_best]
-        for fit_rows in (rows, contending):
-            if fit_rows is contending and not 2 * options.schedule_min_side <= len(contending) < len(rows):
-                continue
+        fit_sets = [rows]  # all the regime's cases first, then those where the group contends
+        if 2 * options.schedule_min_side <= len(contending) < len(rows):
+            fit_sets.append(contending)
+        for fit_rows in fit_sets:
             lat = data.lat[np.ix_(fit_rows, variants)]
             log_regret = np.log(lat / lat.min(axis=1, keepdims=True))  # against the group's best variant
             split = best_split(data.x[fit_rows], log_regret, options.schedule_min_side)
