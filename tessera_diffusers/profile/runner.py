@@ -295,6 +295,7 @@ def time_batch(key: str, valid: list, n_sets: int, config: ProfileConfig, device
 
 
 def timed_record(record: dict, timing: Timing, abandoned: bool = False, interleaved: bool = False) -> dict:
+    """A validated plan's record completed with its timing (median, samples, timer, how it was timed)."""
     out = {**record, "status": "ok", "latency_ms": timing.median_ms, "samples_ms": list(timing.samples_ms),
            "timer": timing.timer, "abandoned": abandoned}
     if interleaved:
