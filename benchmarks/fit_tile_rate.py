@@ -1,7 +1,8 @@
-"""Fit one Hopper tile rate of the cost model where the cost model decides: the mixed regimes of a
-plan table (``selector._arbitrate``), on profiled cases (CPU; no GPU needed).
+"""Fit one Hopper tile rate of the cost model where the cost model decides: the one-regime keys of a
+plan table whose regime's choice is the cost model's (``selector._arbitrate``), on profiled cases
+(CPU; no GPU needed).
 
-For every case of a mixed regime the mask is rebuilt from its corpus seed, its statistics are read
+For every case of such a regime the mask is rebuilt from its corpus seed, its statistics are read
 once, and for each candidate rate the cost model picks among the regime's contenders; regret = the
 picked plan's measured latency / the fastest measured plan of the case. Fit on the profiling split's
 records, then read the held-out split's line for the chosen rate:
@@ -28,13 +29,13 @@ from selection_regret import load_cases
 
 from tessera_diffusers import build_mask_state, cost_model
 from tessera_diffusers.corpus import CaseSpec
-from tessera_diffusers.plan_table import MIXED_REGIME_REGRET, PlanTable, load_plan_table
+from tessera_diffusers.plan_table import PlanTable, load_plan_table
 from tessera_diffusers.plans import Family
 from tessera_diffusers.profile.records import request_from_dict
 
 
 def mixed_cases(path: Path, table: PlanTable) -> list[tuple]:
-    """(request, contender plans, statistics, latencies) of every case whose regime is mixed."""
+    """(request, contender plans, statistics, latencies) of every case whose regime lets the cost model choose."""
     out = []
     for case in load_cases(path).values():
         request = request_from_dict(case["record"]["request"])
@@ -43,7 +44,7 @@ def mixed_cases(path: Path, table: PlanTable) -> list[tuple]:
             continue
         for bucket in key.buckets.values():
             regime = bucket.regimes[0]
-            if len(bucket.regimes) > 1 or regime.fit_regret <= MIXED_REGIME_REGRET or len(regime.contenders) < 2:
+            if len(bucket.regimes) > 1 or regime.choice != "cost_model" or len(regime.contenders) < 2:
                 continue
             plans = [table.plans[name] for name in regime.contenders]
             state = build_mask_state(CaseSpec.from_dict(case["record"]["spec"]).build())
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     table = load_plan_table(args.table)
     fit = mixed_cases(args.records, table)
     held = mixed_cases(args.eval, table) if args.eval else []
-    print(f"{len(fit)} mixed-regime profiling cases, {len(held)} evaluation cases")
+    print(f"{len(fit)} cost-model-regime profiling cases, {len(held)} evaluation cases")
     shaped = cost_model.MASKED_TILE_SLOWDOWN_BY_SHAPE.setdefault(Family.HOPPER, {})
     for combo in itertools.product(*(values for _, _, values in grid)):  # the cases are built once
         for (what, tile, _), value in zip(grid, combo):

@@ -195,7 +195,7 @@ def gpu_time_us(fn: Callable[[], object], reps: int = 20) -> float:
 
 
 def preparation_gpu(mask: LogicalMask, plan) -> dict:
-    """Device time of the statistics launch (what a mixed regime reads on a cold request) and of the
+    """Device time of the statistics launch (what a regime with a rule or the cost model reads on a cold request) and of the
     uncompacted preparation (each request's)."""
     groups = native_prepare.union_rows_to_prefetch(mask.block_q)
     return {

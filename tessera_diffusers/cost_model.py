@@ -112,7 +112,7 @@ def estimate_many(plans: Sequence[PhysicalPlan], req: Request, stats: dict[str, 
 
 class PlanEstimator:
     """``estimate_many`` of one fixed list of plans for one request, bit for bit, on the selector's
-    hot path (a mixed regime's contenders on every new mask): everything that does not depend on
+    hot path (a cost-model regime's contenders on every new mask): everything that does not depend on
     the mask (tile rates, geometry, split-K cost) is worked out once, and a call only reads the
     host statistic vector (``MaskState.host_stat_values``) and the row-union ratios of
     ``union_rows`` (``MaskState.row_union_ratios``)."""

@@ -24,6 +24,8 @@ File format (JSON, no pickles)::
                  "buckets": {"<i>,<j>": {"cases": n, "depth": d,
                      "tree": [{"stat": "density", "le": 0.07, "left": 1, "right": 2}, {"regime": 0}, ...],
                      "regimes": [{"rule": "density <= 0.07", "cases": n, "ranking": [[<plan>, <gm ms>], ...],
+                                  "fit_regret": 1.004, "contenders": [<plan>, ...],
+                                  "choice": "ranking" | "cost_model" | "plan_rule", "plan_rule": <rule>,
                                   "schedules": [{"stat": "density", "le": 0.075, "below": <plan>,
                                                  "above": <plan>, "cases": [n_below, n_above]}]}]}}}},
        "provenance": {...}}}
@@ -32,6 +34,10 @@ A regime's *schedule rules* (optional) choose the task organization of one tile 
 share geometry, KV layout and kernel tile (``tile_group``) and differ only in traversal, split-K,
 persistence or pipeline depth — by one statistic: the chosen plan of that group becomes ``below`` when the mask's statistic is ``<= le``,
 else ``above``. The compiler keeps a rule only where cross-validation says it beats one variant.
+A regime's ``choice`` says how it picks the plan those rules start from: its ranking's first eligible
+plan, the cost model's pick among its ``contenders``, or its ``plan_rule`` — a rule of the same form
+between any two plans (another tile too). The compiler chooses it by cross-validation; tables without
+the field (before 2026-11-30) derive it from ``fit_regret`` (``MIXED_REGIME_REGRET``).
 
 A tree node with ``"stat"`` sends a mask whose statistic is ``<= le`` to ``left``, else to ``right``;
 node 0 is the root and children always come after their parent. The loader checks all of it (and the
@@ -60,9 +66,11 @@ from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrga
 
 FORMAT = "tessera-plan-table"
 SCHEMA_VERSION = 1
-# A regime whose first plan loses more than this (GM) on the regime's own profiled cases is *mixed*.
+# Tables built before the compiler chose each regime's ``choice``: a regime whose first plan loses more
+# than this (GM) on its own profiled cases is *mixed* and lets the cost model choose.
 MIXED_REGIME_REGRET = 1.02
 CONTENDER_REGRET = 1.03  # a plan within this of the best on one of a regime's cases contends there
+CHOICES = ("ranking", "cost_model", "plan_rule")  # how a regime picks its plan (Regime.choice)
 # Environment variable naming a table file to use instead of the shipped one of its architecture.
 TABLE_ENV = "TESSERA_PLAN_TABLE"
 STAT_NAMES: tuple[str, ...] = tuple(s.name.lower() for s in Stat)
@@ -186,12 +194,27 @@ class Regime:
     rule: str  # the path's conditions, e.g. "density <= 0.07 and run_coverage > 0.4"
     cases: int  # profiled cases it was ranked on
     ranking: tuple[RankedPlan, ...]  # best first; the last one is the key's base plan
-    # GM regret of the ranking's first plan over the regime's own cases: above MIXED_REGIME_REGRET
-    # its cases disagree (too few of them to split by a statistic), and the selector lets the cost
-    # model choose among ``contenders`` — the plans within 3% of the best on one of its cases.
+    # GM regret of the ranking's first plan over the regime's own cases.
     fit_regret: float = 1.0
-    contenders: tuple[str, ...] = ()
+    contenders: tuple[str, ...] = ()  # the plans within 3% of the best on one of its cases
     schedules: tuple[ScheduleRule, ...] = ()  # task organization of a tile group by a statistic
+    # How the regime picks its plan (``CHOICES``), chosen by the compiler's cross-validation:
+    # "ranking": the first eligible ranked plan; "cost_model": the cost model's pick among the
+    # eligible ``contenders`` on this mask's statistics; "plan_rule": ``plan_rule``'s plan (any tile)
+    # by one statistic. None (tables built before 2026-11-30): "cost_model" where the ranking's first
+    # plan lost more than MIXED_REGIME_REGRET on the regime's cases and it has two contenders.
+    choice: str | None = None
+    plan_rule: ScheduleRule | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is None:
+            mixed = self.fit_regret > MIXED_REGIME_REGRET and len(self.contenders) >= 2
+            object.__setattr__(self, "choice", "cost_model" if mixed else "ranking")
+        if self.choice not in CHOICES:
+            raise PlanTableError(f"regime {self.index} of {self.key}: choice {self.choice!r} is not one of {CHOICES}")
+        if (self.choice == "plan_rule") != (self.plan_rule is not None):
+            raise PlanTableError(f"regime {self.index} of {self.key}: a plan rule goes with choice 'plan_rule' "
+                                 f"and only with it (choice {self.choice!r}, plan rule {self.plan_rule})")
 
     @property
     def name(self) -> str:
@@ -337,6 +360,11 @@ def key_table_to_dict(kt: KeyTable) -> dict:
     }
 
 
+def rule_to_dict(rule: ScheduleRule) -> dict:
+    return {"stat": STAT_NAMES[rule.stat], "le": rule.threshold, "below": rule.below, "above": rule.above,
+            "cases": list(rule.cases)}
+
+
 def bucket_to_dict(bt: BucketTable) -> dict:
     nodes = []
     for n in bt.tree.nodes:
@@ -349,8 +377,10 @@ def bucket_to_dict(bt: BucketTable) -> dict:
         regime = {"rule": r.rule, "cases": r.cases, "ranking": [[rp.plan, rp.gm_ms] for rp in r.ranking],
                   "fit_regret": r.fit_regret, "contenders": list(r.contenders)}
         if r.schedules:  # only tables with rules carry the field: older tables keep their checksum
-            regime["schedules"] = [{"stat": STAT_NAMES[x.stat], "le": x.threshold, "below": x.below,
-                                    "above": x.above, "cases": list(x.cases)} for x in r.schedules]
+            regime["schedules"] = [rule_to_dict(x) for x in r.schedules]
+        regime["choice"] = r.choice
+        if r.plan_rule is not None:
+            regime["plan_rule"] = rule_to_dict(r.plan_rule)
         regimes.append(regime)
     return {"cases": bt.cases, "depth": bt.depth, "tree": nodes, "regimes": regimes}
 
@@ -462,8 +492,18 @@ def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mappin
         schedules = tuple(build_schedule_rule(sd, plans, allowed_stats,
                                               lambda what, i=index, j=j: fail(f"regime {i} schedule rule {j}: {what}"))
                           for j, sd in enumerate(rd.get("schedules", ())))
+        choice = rd.get("choice")  # optional: tables built before 2026-11-30 derive it (Regime)
+        if choice is not None and choice not in CHOICES:
+            raise fail(f"regime {index}: choice {choice!r} is not one of {CHOICES}")
+        plan_rule = None
+        if "plan_rule" in rd:
+            plan_rule = build_schedule_rule(rd["plan_rule"], plans, allowed_stats,
+                                            lambda what, i=index: fail(f"regime {i} plan rule: {what}"),
+                                            same_tile=False)
+        if (choice == "plan_rule") != (plan_rule is not None):
+            raise fail(f"regime {index}: a plan rule goes with choice 'plan_rule' and only with it (choice {choice!r})")
         regimes.append(Regime(key, label, index, str(rd["rule"]), int(rd["cases"]), tuple(ranking),
-                              float(fit_regret), contenders, schedules))
+                              float(fit_regret), contenders, schedules, choice, plan_rule))
     nodes = []
     for i, nd in enumerate(bd["tree"]):
         if "regime" in nd:
@@ -493,7 +533,9 @@ def stat_threshold(d: Mapping, allowed_stats: set[int], fail) -> tuple[int, floa
 
 
 def build_schedule_rule(sd: Mapping, plans: Mapping[str, PhysicalPlan], allowed_stats: set[int],
-                        fail) -> ScheduleRule:
+                        fail, same_tile: bool = True) -> ScheduleRule:
+    """A schedule rule (``same_tile``: its two plans differ only in their task organization) or a
+    regime's plan rule (any two plans)."""
     stat, threshold = stat_threshold(sd, allowed_stats, fail)
     below, above = str(sd["below"]), str(sd["above"])
     for name in (below, above):
@@ -501,7 +543,7 @@ def build_schedule_rule(sd: Mapping, plans: Mapping[str, PhysicalPlan], allowed_
             raise fail(f"names unknown plan {name!r}")
     if below == above:
         raise fail(f"chooses {below} on both sides")
-    if tile_group(plans[below]) != tile_group(plans[above]):
+    if same_tile and tile_group(plans[below]) != tile_group(plans[above]):
         raise fail(f"{below} and {above} are not one tile group (they differ in more than their task organization)")
     cases = tuple(int(c) for c in sd["cases"])
     if len(cases) != 2 or min(cases) < 1:

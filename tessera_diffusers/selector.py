@@ -10,9 +10,9 @@ Order of decision:
    given to the Selector): key -> bucket -> regime, a tree over mask statistics that reads them to
    the host once (``MaskState.host_stat_values``), and only when it has splits -> the regime's
    ranking, scanned with eligibility; the first eligible plan wins. A bucket the table lacks gives
-   the key's base plan. A *mixed* regime — its first plan lost more than ``MIXED_REGIME_REGRET``
-   (GM) on its own profiled cases, too few to split by a statistic — hands the choice among its
-   contenders (plans within 3% of the best on one of its cases) to the cost model, on this mask's
+   the key's base plan. A regime's ``choice`` (made by the compiler's cross-validation) may instead
+   hand the plan to its *plan rule* (one statistic picks one of two plans, of any tile) or to the
+   cost model among its contenders (plans within 3% of the best on one of its cases), on this mask's
    statistics (one read; kept per regime with ``reuse_regime``). A regime's *schedule rule* for the
    chosen plan's tile group then picks its task organization (persistent grid or one CTA per task,
    split-K, traversal, pipeline depth) by one statistic (the same read), when the rule's plan is eligible.
@@ -44,7 +44,7 @@ from .cost_model import PlanEstimator
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
-from .plan_table import MIXED_REGIME_REGRET, PlanTable, RankedPlan, Regime, RegimeTree, default_table, tile_group
+from .plan_table import PlanTable, RankedPlan, Regime, RegimeTree, ScheduleRule, default_table, tile_group
 from .plans import KernelSpec, PhysicalPlan, Request
 
 AUTO = "auto"  # Selector.table: the shipped table of each request's architecture
@@ -162,7 +162,7 @@ def cached_rejection(plan: PhysicalPlan, request: Request) -> str | None:
 @lru_cache(maxsize=1024)
 def eligible_contenders(plans: tuple[tuple[str, PhysicalPlan], ...], request: Request) -> tuple[
         tuple[PhysicalPlan, ...], tuple[str, ...], PlanEstimator]:
-    """A mixed regime's contenders ``(name, plan)`` that can serve ``request``, their names, and the
+    """A cost-model regime's contenders ``(name, plan)`` that can serve ``request``, their names, and the
     cost model over them (built once per process: a fresh Selector pays for neither again)."""
     kept = [(name, plan) for name, plan in plans if cached_rejection(plan, request) is None]
     eligible = tuple(plan for _, plan in kept)
@@ -348,16 +348,20 @@ class Selector:
 
     def _arbitrate(self, entry: RequestEntry, index: int, request: Request, state: MaskState,
                    selection: Selection, reuse: bool = True) -> Selection:
-        """The regime's choice, unless the regime is mixed (its first plan lost more than
-        ``MIXED_REGIME_REGRET`` on its own profiled cases, which were too few to split by a
-        statistic): then the cost model ranks the regime's contenders on this mask's statistics
-        (one read). With ``reuse_regime`` a later mask of the request keeps that choice."""
+        """The plan of the regime's ``choice``: ``selection`` (its ranking's first eligible plan),
+        or, on this mask's statistics (one read), its plan rule's plan when eligible, or the cost
+        model's pick among its eligible contenders. With ``reuse_regime`` a later mask of the
+        request keeps that choice."""
         regime = entry.regimes[index]
-        if regime.fit_regret <= MIXED_REGIME_REGRET or len(regime.contenders) < 2:
+        if regime.choice == "ranking" or (regime.choice == "cost_model" and len(regime.contenders) < 2):
             return selection
         if reuse and self.reuse_regime and index in entry.arbitrated:
             self.regime_reuses += 1
             return entry.arbitrated[index]
+        if regime.choice == "plan_rule":
+            chosen = ruled(selection, "plan rule", regime.plan_rule, entry.plans, state, "plan table + plan rule")
+            entry.arbitrated[index] = chosen
+            return chosen
         cached = entry.contenders.get(index)
         if cached is None:  # once per (request, regime)
             plans = tuple((name, entry.plans[name]) for name in regime.contenders)
@@ -367,8 +371,8 @@ class Selector:
             return selection
         estimates = estimate_with(estimator, state)
         order = sorted(range(len(eligible)), key=estimates.__getitem__)
-        note = (f"mixed regime (first plan's GM regret {regime.fit_regret:.3f} on its cases): the cost model "
-                f"chose among its {len(eligible)} eligible contenders")
+        note = (f"the regime's choice is the cost model's (first plan's GM regret {regime.fit_regret:.3f} on its "
+                f"cases): it chose among its {len(eligible)} eligible contenders")
         chosen = Selection(request, tuple((names[i], estimates[i]) for i in order), selection.rejected,
                            eligible[order[0]], "plan table + cost model", regime, selection.notes + (note,))
         entry.arbitrated[index] = chosen
@@ -393,18 +397,7 @@ class Selector:
         if reuse and self.reuse_regime and memo in entry.scheduled:
             self.regime_reuses += 1
             return entry.scheduled[memo]
-        stats = state.host_stat_values
-        ruled = entry.plans[rule.choose(stats)]
-        note = f"schedule rule: {rule.describe(stats)}"
-        chosen = selection.chosen
-        if ruled != chosen:
-            reason = cached_rejection(ruled, request)
-            if reason is None:
-                chosen = ruled
-            else:
-                note = f"{note} rejected ({reason}); kept {chosen.name}"
-        selection = Selection(selection.request, selection.ranking, selection.rejected, chosen, selection.source,
-                              selection.regime, selection.notes + (note,))
+        selection = ruled(selection, "schedule rule", rule, entry.plans, state, selection.source)
         entry.scheduled[memo] = selection
         return selection
 
@@ -424,6 +417,24 @@ class Selector:
         order = sorted(range(len(estimates)), key=estimates.__getitem__)  # stable: ties keep catalog order
         ranking = tuple((entry.eligible_names[i], estimates[i]) for i in order)
         return Selection(request, ranking, entry.rejected, entry.eligible[order[0]], "cost model", None, notes)
+
+
+def ruled(selection: Selection, kind: str, rule: ScheduleRule, plans: Mapping[str, PhysicalPlan], state: MaskState,
+          source: str) -> Selection:
+    """``selection`` with the plan ``rule`` gives this mask's statistics (one read, kept by the
+    state), when that plan is eligible for the request; the decision noted either way."""
+    stats = state.host_stat_values
+    plan = plans[rule.choose(stats)]
+    note = f"{kind}: {rule.describe(stats)}"
+    chosen = selection.chosen
+    if plan != chosen:
+        reason = cached_rejection(plan, selection.request)
+        if reason is None:
+            chosen = plan
+        else:
+            note = f"{note} rejected ({reason}); kept {chosen.name}"
+    return Selection(selection.request, selection.ranking, selection.rejected, chosen, source, selection.regime,
+                     selection.notes + (note,))
 
 
 def estimate_with(estimator: PlanEstimator, state: MaskState) -> list[float]:

@@ -293,6 +293,66 @@ def test_compiler_learns_the_pipeline_depth_by_a_statistic():
     assert bucket_of(PlanTable.from_dict(json.loads(json.dumps(table.to_dict())))).regimes[0].schedules == (rule,)
 
 
+def other_tile_on_overlapping_rows(plan, request, stats, rng):
+    """Another tile 10% faster where neighbouring rows overlap (row_overlap > 0.5), 20% slower
+    elsewhere: which tile wins depends on one statistic."""
+    noise = 1.0 + 0.005 * rng.gauss(0.0, 1.0)
+    if plan == OTHER_TILE:
+        return (0.9 if stats["row_overlap"] > 0.5 else 1.2) * noise
+    return (1.0 if plan == LPT else 1.3) * noise
+
+
+@pytest.fixture(scope="module")
+def plan_rule_table():
+    profile = synthetic_profile("sm90", portable_kernels(), [LPT, PERSISTENT, OTHER_TILE], [REQUEST],
+                                other_tile_on_overlapping_rows, 48, groups=4)
+    return compile_table(profile, CompileOptions(min_leaf=32))
+
+
+def test_compiler_gives_a_regime_a_plan_rule_between_tiles(plan_rule_table):
+    """48 cases (one regime) whose best tile depends on row_overlap: the ranking's first plan loses
+    on half of them, a plan rule between the two tiles does not, so cross-validation makes it the
+    regime's choice. The artifact keeps it; a table without the field (built before the choice
+    existed) derives the old behaviour from its fit regret."""
+    table, report = plan_rule_table
+    (regime,) = bucket_of(table).regimes
+    assert regime.choice == "plan_rule" and regime.fit_regret > MIXED_REGIME_REGRET
+    rule = regime.plan_rule
+    assert STAT_NAMES[rule.stat] == "row_overlap" and abs(rule.threshold - 0.5) < 0.05
+    assert (rule.below, rule.above) == (LPT.name, OTHER_TILE.name) and tile_group(LPT) != tile_group(OTHER_TILE)
+    assert f"plan rule ({LPT.name} if row_overlap <=" in report.to_markdown()
+    data = json.loads(json.dumps(table.to_dict()))
+    assert bucket_of(PlanTable.from_dict(data)).regimes[0] == regime
+    (bucket,) = data["table"]["keys"][REQUEST.key]["buckets"].values()
+    del bucket["regimes"][0]["choice"], bucket["regimes"][0]["plan_rule"]
+    (legacy,) = bucket_of(PlanTable.from_dict(resigned(data))).regimes
+    assert legacy.choice == "cost_model" and legacy.plan_rule is None
+
+
+def test_a_regime_keeps_its_ranking_when_its_cases_agree():
+    (regime,) = bucket_of(schedule_table(0.06)[0]).regimes
+    assert regime.choice == "ranking" and regime.plan_rule is None and regime.ranking[0].plan == LPT.name
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda regime: regime.update(choice="fastest"), "choice 'fastest' is not one of"),
+        (lambda regime: regime.pop("plan_rule"), "goes with choice 'plan_rule' and only with it"),
+        (lambda regime: regime.update(choice="ranking"), "goes with choice 'plan_rule' and only with it"),
+        (lambda regime: regime["plan_rule"].update(above="direct_nothing"), "plan rule: names unknown plan"),
+        (lambda regime: regime["plan_rule"].update(le="inf"), "plan rule: has threshold inf"),
+    ],
+    ids=["choice", "no-rule", "rule-unchosen", "unknown", "threshold"],
+)
+def test_loader_refuses_bad_choices(plan_rule_table, edit, message):
+    data = copy.deepcopy(plan_rule_table[0].to_dict())
+    (bucket,) = data["table"]["keys"][REQUEST.key]["buckets"].values()
+    edit(bucket["regimes"][0])
+    with pytest.raises(PlanTableError, match=message):
+        PlanTable.from_dict(resigned(data))
+
+
 def test_schedule_rule_is_fitted_where_its_tile_contends():
     """A mixed regime: the other tile is 30% faster where row_overlap > 0.5. Where this tile contends
     the persistent grid wins on short runs, elsewhere on long ones (an XOR of two statistics): over

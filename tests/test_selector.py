@@ -14,10 +14,10 @@ import torch
 from tessera_diffusers import LogicalMask, Runtime, build_mask_state, reference
 from tessera_diffusers.catalog import all_kernels, plans_for, portable_kernels, reference_kernel
 from tessera_diffusers.eligibility import rejection
-from tessera_diffusers.plan_table import TABLE_ENV, body_digest, tile_group
+from tessera_diffusers.plan_table import STAT_NAMES, TABLE_ENV, body_digest
 from tessera_diffusers.plans import KvLayout, PhysicalPlan, Request, TaskOrganization
 from tessera_diffusers.profile.compile import CompileOptions, compile_table
-from tessera_diffusers.profile.synthetic import synthetic_profile
+from tessera_diffusers.profile.synthetic import cost_model_latency, synthetic_profile
 from tessera_diffusers.selector import Selector, rank
 from tessera_diffusers.testing import random_mask, random_qkv
 
@@ -206,27 +206,27 @@ def test_rank_on_cpu_without_table_is_the_oracle():
     assert selection.chosen is None and "reference oracle" in selection.explain()
 
 
-def test_a_mixed_regime_lets_the_cost_model_choose_among_its_contenders():
-    """Too few cases to split (one regime) whose first plan loses 40% on half of them: the regime
-    is mixed, so the cost model picks among the contenders on each mask's statistics; a regime
-    whose cases agree keeps its first plan without reading any statistic."""
+def test_a_plan_rule_picks_the_plan_of_a_regime_by_a_statistic():
+    """Too few cases to split (40: one regime) whose first plan loses 40% on half of them, and one
+    statistic (density) decides which tile wins: cross-validation gives the regime a plan rule,
+    which reads each mask's statistics; ``reuse_regime`` keeps the previous decision without reading
+    the next mask's. A regime whose cases agree keeps its first plan without reading any statistic."""
     profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST], latency, 40, groups=4)
-    mixed, _ = compile_table(profile, CompileOptions(min_leaf=32))
-    (bucket,) = mixed.keys[REQUEST.key].buckets.values()
+    ruled, report = compile_table(profile, CompileOptions(min_leaf=32))
+    (bucket,) = ruled.keys[REQUEST.key].buckets.values()
     (regime,) = bucket.regimes
-    assert regime.fit_regret > 1.02 and {SPLIT4.name, WIDE.name} <= set(regime.contenders)
-    selector = Selector(table=mixed, kernels=portable_kernels())
-    for density in (0.05, 0.4):
+    assert regime.fit_regret > 1.02 and regime.choice == "plan_rule"
+    rule = regime.plan_rule
+    assert STAT_NAMES[rule.stat] == "density" and (rule.below, rule.above) == (SPLIT4.name, WIDE.name)
+    assert "plan rule (" in report.to_markdown()
+    selector = Selector(table=ruled, kernels=portable_kernels())
+    for density, expected in ((0.05, SPLIT4), (0.4, WIDE)):
         state = state_with_density(density)
         selection = selector.selection(REQUEST, state)
-        assert selection.source == "plan table + cost model" and any("mixed regime" in n for n in selection.notes)
-        # A contender, or (where the regime's schedule rule moved it) a contender's tile group in
-        # another task organization (here: DIRECT for SPLIT4 on the denser mask).
-        contender_tiles = {tile_group(mixed.plans[name]) for name in regime.contenders}
-        assert selection.chosen.name in regime.contenders or (
-            tile_group(selection.chosen) in contender_tiles and selection.notes[-1].startswith("schedule rule"))
+        assert selection.source == "plan table + plan rule" and selection.chosen == expected
+        assert any(n.startswith("plan rule: density") for n in selection.notes)
         assert "host_stat_values" in state.__dict__  # it read this mask's statistics
-    reuse = Selector(table=mixed, kernels=portable_kernels(), reuse_regime=True)
+    reuse = Selector(table=ruled, kernels=portable_kernels(), reuse_regime=True)
     first = reuse.selection(REQUEST, state_with_density(0.05))
     later = state_with_density(0.4)
     assert reuse.selection(REQUEST, later) is first and "host_stat_values" not in later.__dict__
@@ -238,6 +238,33 @@ def test_a_mixed_regime_lets_the_cost_model_choose_among_its_contenders():
     selection = Selector(table=table, kernels=portable_kernels()).selection(REQUEST, state)
     assert selection.source == "plan table" and selection.chosen == SPLIT4
     assert "host_stat_values" not in state.__dict__
+
+
+def test_a_regime_can_hand_its_choice_to_the_cost_model():
+    """Latencies that follow the cost model (1% noise) over a 64-row and a 128-row tile, where what
+    decides between them is the union of the KV sets of neighbouring query rows: the cost model
+    reads it (the row-union ratios), no statistic of the schema shows it, so no plan rule or
+    ranking does as well and cross-validation hands the regime's choice to the cost model."""
+    request = Request(1, 24, SEQ, SEQ, 128, "bf16", 64, 64, "sm90")
+    hopper = [p for p in plans_for(64, 64, all_kernels()) if "hopper" in p.name and p.tasks.num_splits == 1
+              and rejection(p, request) is None]
+    small = next(p for p in hopper if (p.tile_q, p.tile_kv) == (64, 64))
+    tall = next(p for p in hopper if (p.tile_q, p.tile_kv) == (128, 128) and p.kv_layout is KvLayout.PACKED)
+
+    def unions(rng):  # the 128-row tile's waste; the two tiles cost the same near 1.07
+        return {2: rng.uniform(1.0, 1.2)}
+
+    profile = synthetic_profile("sm90", all_kernels(), [small, tall], [request], cost_model_latency(0.01), 48,
+                                groups=4, row_unions=unions)
+    table, report = compile_table(profile, CompileOptions(min_leaf=32))
+    (bucket,) = table.keys[request.key].buckets.values()
+    (regime,) = bucket.regimes
+    assert regime.choice == "cost_model" and set(regime.contenders) == {small.name, tall.name}
+    assert "cost model —" in report.to_markdown()
+    selector = Selector(table=table, kernels=all_kernels())
+    selection = selector.selection(request, state_with_density(0.1))
+    assert selection.source == "plan table + cost model" and selection.chosen.name in regime.contenders
+    assert any("the cost model's" in n for n in selection.notes)
 
 
 def test_a_schedule_rule_picks_the_task_organization_by_a_statistic():

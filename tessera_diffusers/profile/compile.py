@@ -25,6 +25,14 @@ Per request key (arch, geometry, head dim, dtype, layout):
    contends (its best organization within ``CONTENDER_REGRET`` of the case's best): in a mixed
    regime those are the cases on which the cost model hands the group the request, and a 64 x 64
    tile's organization need not be learned from the dense masks a 128 x 128 tile serves.
+5. The regime's *choice* of the plan those rules start from: its ranking's first plan, the cost
+   model's pick among its contenders (it reads what no schema statistic shows, such as the row-union
+   ratios), or a *plan rule* (the same form as a schedule rule, between any two plans: another tile
+   too). Leave-groups-out cross-validation over the regime's cases rebuilds each way on the training
+   cases and judges it, schedule rules applied, on the held-out ones; the ranking stays unless another
+   way lowers the held-out regret by more than ``choice_margin``. Before this step (2026-11-30) the
+   selector handed a regime to the cost model whenever its first plan lost more than 2% (GM) on its
+   cases; on the interleaved H200 profile that was right for Q32K32 and Q64K32 and wrong for Q32K16.
 
 The tree is exported as plain thresholds (``plan_table.TreeNode``); nothing is pickled.
 """
@@ -41,6 +49,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from ..cost_model import PlanEstimator
 from ..errors import PlanTableError
 from ..mask_state import NUM_STATS
 from ..plan_table import (
@@ -75,6 +84,9 @@ class ProfiledCase:
     stats: tuple[float, ...]  # [NUM_STATS], indexed by Stat
     group: str  # cross-validation group (the corpus source)
     latencies: Mapping[str, float]  # plan name -> median kernel ms, valid plans only
+    # MaskState.row_union_ratios the profiler kept ({block rows: ratio}), what the cost model reads
+    # online; empty for records without them (the cost model then estimates them from row_overlap).
+    row_unions: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,10 @@ class CompileOptions:
     tie_tolerance: float = 0.001  # a deeper tree must lower the CV log-GM regret by more than this
     schedule_min_side: int = 8  # schedule rules: profiled cases on each side of the threshold at least
     schedule_margin: float = 0.005  # a schedule rule must lower the held-out GM regret by more than this
+    # A regime's choice other than its ranking (cost model, plan rule) must lower the held-out GM
+    # regret by more than this.
+    choice_margin: float = 0.002
+    choice_min_cases: int = 16  # fewer profiled cases in a regime: its ranking, nothing else is judged
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,7 @@ class BucketReport:
     fit_regret: float  # GM regret of the final table on its own cases
     note: str = ""
     schedules: tuple[str, ...] = ()  # the schedule rules kept, described
+    choices: tuple[str, ...] = ()  # each regime's choice and the held-out regret of every candidate
 
 
 @dataclass(frozen=True)
@@ -133,6 +150,11 @@ class CompileReport:
             cv = ", ".join(f"{d}: {r:.4f}" for d, r in b.cv) or "-"
             lines.append(f"| {b.key} | {b.bucket} | {b.cases} | {b.groups} | {b.depth} | {b.regimes} | {cv} | "
                          f"{b.fit_regret:.4f} | {b.note} |")
+        choices = [f"- {b.key} {b.bucket}: {choice}" for b in self.buckets for choice in b.choices]
+        if choices:
+            title = ("How each regime picks its plan (held-out GM regret of each way, one corpus source per fold, "
+                     "schedule rules included):")
+            lines += ["", title, ""] + choices
         rules = [f"- {b.key} {b.bucket}: {rule}" for b in self.buckets for rule in b.schedules]
         if rules:
             lines += ["", "Schedule rules (task organization of one tile group by one statistic):", ""] + rules
@@ -196,9 +218,10 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
         if missing:
             notes.append(f"case {record['case']} lacks statistics {missing}; skipped")
             continue
+        unions = {int(rows): float(ratio) for rows, ratio in (record.get("row_unions") or {}).items()}
         cases.append(ProfiledCase(record["case"], request_from_dict(record["request"]),
                                   tuple(float(stats[s]) for s in STAT_NAMES), str(record["group"]),
-                                  MappingProxyType(dict(latencies.get(record["case"], {})))))
+                                  MappingProxyType(dict(latencies.get(record["case"], {}))), MappingProxyType(unions)))
     if skipped:
         notes.append(f"skipped {len(skipped)} unreadable record line(s)")
     if len(methods) > 1:
@@ -290,6 +313,7 @@ class BucketData:
     groups: np.ndarray  # [n] group labels
     base: str | None
     options: CompileOptions
+    cases: Sequence[ProfiledCase] = ()  # row order: their full statistics, row unions and requests
     rankings: dict = field(default_factory=dict)  # bytes of the sorted rows -> ranking (memo)
     column: dict = field(default_factory=dict)  # plan name -> column of lat
 
@@ -328,12 +352,16 @@ class BucketData:
 
     def regret(self, row: int, ranking: Sequence[RankedPlan]) -> float:
         """Regret on case ``row`` of the first ranked plan valid on it."""
-        best = np.nanmin(self.lat[row])
-        for ranked in ranking:
-            ms = self.lat[row, self.column[ranked.plan]]
-            if not np.isnan(ms):
-                return float(ms / best)
-        return MISSING_REGRET
+        return self.regret_of(row, self.first_valid(row, [r.plan for r in ranking]))
+
+    def first_valid(self, row: int, names: Sequence[str]) -> str | None:
+        """The first of ``names`` timed on case ``row``."""
+        return next((n for n in names if not np.isnan(self.lat[row, self.column[n]])), None)
+
+    def regret_of(self, row: int, name: str | None) -> float:
+        """Latency of plan ``name`` on case ``row`` over the case's fastest; MISSING_REGRET untimed."""
+        ms = np.nan if name is None else self.lat[row, self.column[name]]
+        return MISSING_REGRET if np.isnan(ms) else float(ms / np.nanmin(self.lat[row]))
 
 
 def bucket_data(cases: Sequence[ProfiledCase], columns: list[int], base: str | None,
@@ -351,7 +379,7 @@ def bucket_data(cases: Sequence[ProfiledCase], columns: list[int], base: str | N
     clipped = np.where(np.isnan(regret[:, contenders]), options.target_clip,
                        np.minimum(regret[:, contenders], options.target_clip))
     groups = np.array([c.group for c in cases])
-    return BucketData(x, lat, names, np.log(clipped), groups, base, options)
+    return BucketData(x, lat, names, np.log(clipped), groups, base, options, cases)
 
 
 def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[ProfiledCase], columns: list[int],
@@ -372,19 +400,28 @@ def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[Pr
         depth = min(d for d, score in cv if score <= best + options.tie_tolerance)
     model = fit_tree(data.x, data.target, depth, options.min_leaf)
     nodes, leaves = export_tree(model, data, columns)
-    regimes, fit, described = [], [], []
+    regimes, fit, described, choices = [], [], [], []
     for index, (rows, rule) in enumerate(leaves):
         ranking = data.ranking(rows)
         regrets = [data.regret(r, ranking) for r in rows]
         fit += regrets
         contenders = data.contenders(rows)
-        choosable = dict.fromkeys([ranking[0].plan, *contenders])
+        plan_rule = fit_plan_rule(data, rows, columns, options)
+        choosable = dict.fromkeys([ranking[0].plan, *contenders, *((plan_rule.below, plan_rule.above)
+                                                                    if plan_rule else ())])
         schedules = fit_schedule_rules(data, rows, choosable, plans, columns, options)
+        choice, held_out = fit_choice(data, rows, plans, columns, options, plan_rule is not None)
         described += [f"regime {index} ({rule}): {describe_rule(r, plans)}" for r in schedules]
+        scores = ", ".join(f"{way.replace('_', ' ')} {math.exp(score):.4f}" for way, score in held_out.items())
+        choices.append(f"regime {index} ({rule}): {choice.replace('_', ' ')}"
+                       + (f" ({describe_rule(plan_rule, plans, organization=False)})" if choice == "plan_rule" else "")
+                       + (f" — {scores}" if scores else
+                          f" — one CV group or fewer than {options.choice_min_cases} cases: the ranking"))
         regimes.append(Regime(key, label, index, rule, len(rows), ranking, round(geometric_mean(regrets), 6),
-                              contenders, schedules))
+                              contenders, schedules, choice, plan_rule if choice == "plan_rule" else None))
     report = BucketReport(key, label, len(cases), len(set(data.groups)), depth, len(regimes),
-                          tuple((d, math.exp(s)) for d, s in cv), geometric_mean(fit), note, tuple(described))
+                          tuple((d, math.exp(s)) for d, s in cv), geometric_mean(fit), note, tuple(described),
+                          tuple(choices))
     return BucketTable(key, bucket, label, len(cases), depth, RegimeTree(tuple(nodes)), tuple(regimes)), report
 
 
@@ -422,6 +459,86 @@ def fit_schedule_rules(data: BucketData, rows: np.ndarray, choosable: Iterable[s
                                           data.names[variants[above]], (n_below, len(fit_rows) - n_below)))
                 break
     return tuple(rules)
+
+
+def fit_plan_rule(data: BucketData, rows: np.ndarray, columns: list[int],
+                  options: CompileOptions) -> ScheduleRule | None:
+    """A regime's plan rule: one threshold on one statistic choosing between any two plans valid on
+    all of ``rows`` (another tile too, e.g. 64 x 64 tiles on clustered masks and 128 x 128 ones on
+    banded masks of one geometry), when it beats the best single plan and leave-groups-out
+    cross-validation says it generalizes (as schedule rules must)."""
+    sub = data.lat[rows]
+    variants = np.flatnonzero(~np.isnan(sub).any(axis=0))
+    if len(variants) < 2:
+        return None
+    lat = sub[:, variants]
+    log_regret = np.log(lat / lat.min(axis=1, keepdims=True))
+    split = best_split(data.x[rows], log_regret, options.schedule_min_side)
+    if split is None or not split_generalizes(data.x[rows], log_regret, data.groups[rows], options):
+        return None
+    feature, threshold, below, above, n_below = split
+    return ScheduleRule(columns[feature], threshold, data.names[variants[below]], data.names[variants[above]],
+                        (n_below, len(rows) - n_below))
+
+
+def fit_choice(data: BucketData, rows: np.ndarray, plans: Mapping[str, PhysicalPlan], columns: list[int],
+               options: CompileOptions, has_rule: bool) -> tuple[str, dict[str, float]]:
+    """How the regime ``rows`` picks its plan (``Regime.choice``) and the held-out mean log regret
+    of each way: leave-groups-out cross-validation over the regime's cases, each way rebuilt on the
+    training cases (ranking, contenders, plan rule, schedule rules) and judged on the held-out ones
+    with the schedule rules applied, as the selector does. The ranking stays unless another way
+    lowers the held-out GM regret by more than ``choice_margin``; a plan rule only when one fits
+    all the regime's cases (``has_rule``). A regime of fewer than ``choice_min_cases`` cases or one
+    CV group keeps its ranking."""
+    splits = cv_folds(data.groups[rows], options.folds) if len(rows) >= options.choice_min_cases else []
+    if not splits:
+        return "ranking", {}
+    logs: dict[str, list[float]] = {"ranking": [], "cost_model": [], "plan_rule": []}
+    estimators: dict = {}
+    for train, test in splits:
+        train_rows = np.sort(rows[train])
+        head = [r.plan for r in data.ranking(train_rows)]
+        contenders = data.contenders(train_rows)
+        rule = fit_plan_rule(data, train_rows, columns, options) if has_rule else None
+        choosable = dict.fromkeys([head[0], *contenders, *((rule.below, rule.above) if rule else ())])
+        schedules = fit_schedule_rules(data, train_rows, choosable, plans, columns, options)
+        for row in rows[test]:
+            case = data.cases[row]
+            ranked = data.first_valid(row, head)
+            picks = {"ranking": ranked, "cost_model": ranked, "plan_rule": ranked}
+            if len(contenders) >= 2:
+                memo = (case.request, contenders)
+                if memo not in estimators:
+                    estimators[memo] = PlanEstimator([plans[n] for n in contenders], case.request)
+                estimates = estimators[memo](case.stats, dict(case.row_unions))
+                # the cost model's order, among the contenders timed on this case (all, but for
+                # the rare plan a contenders-after profiling run did not time on it)
+                by_estimate = sorted(contenders, key=dict(zip(contenders, estimates)).get)
+                picks["cost_model"] = data.first_valid(row, by_estimate)
+            if rule is not None and not np.isnan(data.lat[row, data.column[rule.choose(case.stats)]]):
+                picks["plan_rule"] = rule.choose(case.stats)
+            for way, pick in picks.items():
+                final = scheduled(pick, schedules, plans, case.stats, data, row)
+                logs[way].append(math.log(data.regret_of(row, final)))
+    scores = {way: float(np.mean(v)) for way, v in logs.items() if way != "plan_rule" or has_rule}
+    choice = min(scores, key=scores.get)
+    if scores[choice] >= scores["ranking"] + math.log(1.0 - options.choice_margin):
+        choice = "ranking"
+    return choice, scores
+
+
+def scheduled(name: str | None, schedules: Sequence[ScheduleRule], plans: Mapping[str, PhysicalPlan],
+              stats: Sequence[float], data: BucketData, row: int) -> str | None:
+    """Plan ``name`` after the schedule rule of its tile group (when the ruled plan was timed on
+    case ``row``: online an untimed plan would run all the same, offline its time is unknown)."""
+    if name is None:
+        return None
+    group = tile_group(plans[name])
+    rule = next((r for r in schedules if tile_group(plans[r.below]) == group), None)
+    if rule is None:
+        return name
+    ruled = rule.choose(stats)
+    return ruled if not np.isnan(data.lat[row, data.column[ruled]]) else name
 
 
 def best_split(x: np.ndarray, log_regret: np.ndarray, min_side: int) -> tuple[int, float, int, int, int] | None:
@@ -467,7 +584,12 @@ def split_generalizes(x: np.ndarray, log_regret: np.ndarray, groups: np.ndarray,
     return float(np.mean(split_logs)) < float(np.mean(flat_logs)) + math.log(1.0 - options.schedule_margin)
 
 
-def describe_rule(rule: ScheduleRule, plans: Mapping[str, PhysicalPlan]) -> str:
+def describe_rule(rule: ScheduleRule, plans: Mapping[str, PhysicalPlan], organization: bool = True) -> str:
+    """A schedule rule as "<tile> (<warps> warps): <organization> if ..."; with ``organization``
+    False (a plan rule, whose plans may differ in their tile) as "<plan> if ..., else <plan>"."""
+    if not organization:
+        return (f"{rule.below} if {STAT_NAMES[rule.stat]} <= {rule.threshold:.4g} ({rule.cases[0]} cases), "
+                f"else {rule.above} ({rule.cases[1]} cases)")
     below, above = plans[rule.below], plans[rule.above]
     tile = rule.below.rsplit("_", 2)[0]  # the name without "_s<stages>w<warps>_<organization>"
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from types import MappingProxyType
 
 from ..catalog import catalog_hash
-from ..cost_model import estimate_ms
+from ..cost_model import ROW_UNION_KEY, estimate_ms
 from ..plan_table import STAT_NAMES
 from ..plans import KernelSpec, PhysicalPlan, Request
 from .compile import Profile, ProfiledCase
@@ -43,22 +43,27 @@ def synthetic_profile(
     cases_per_request: int,
     groups: int = 4,
     seed: int = 0,
+    row_unions: Callable[[random.Random], dict[int, float]] | None = None,
 ) -> Profile:
     """``cases_per_request`` cases per request with random statistics, spread over ``groups``
-    CV groups, each with ``latency(plan, request, stats, rng)`` for every plan of its geometry."""
+    CV groups, each with ``latency(plan, request, stats, rng)`` for every plan of its geometry.
+    ``row_unions(rng)`` gives each case row-union ratios too (``ProfiledCase.row_unions``), which
+    ``latency`` then finds in ``stats`` as ``row_union_<rows>`` (where the cost model reads them)."""
     rng = random.Random(seed)
     cases = []
     for request in requests:
         mine = [p for p in plans if (p.block_q, p.block_kv) == (request.block_q, request.block_kv)]
         for i in range(cases_per_request):
             stats = random_stats(rng)
+            unions = row_unions(rng) if row_unions else {}
+            seen = stats | {f"{ROW_UNION_KEY}{rows}": ratio for rows, ratio in unions.items()}
             lat = {}
             for plan in mine:
-                ms = latency(plan, request, stats, rng)
+                ms = latency(plan, request, seen, rng)
                 if ms is not None:
                     lat[plan.name] = float(ms)
             cases.append(ProfiledCase(f"{request.name}#{i}", request, tuple(stats[s] for s in STAT_NAMES),
-                                      f"source{i % groups}", MappingProxyType(lat)))
+                                      f"source{i % groups}", MappingProxyType(lat), MappingProxyType(unions)))
     return Profile(arch, catalog_hash(kernels), kernels, tuple(cases),
                    MappingProxyType({p.name: p for p in plans}))
 
