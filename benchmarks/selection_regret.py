@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", type=Path, default=None, help="also write the table as markdown here")
     parser.add_argument("--same-cases-as", type=Path, default=None,
                         help="judge only the cases that this other records file also has")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="also draw the regret of every selector here (PNG: per-case CDF, per-family GM)")
     parser.add_argument("--mask-cache", type=Path, default=None,
                         help="keep built masks here and reuse them on the next run")
     args = parser.parse_args(argv)
@@ -244,7 +246,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.md is not None:
         sources = ", ".join(f"`{path}`" for path in args.records)
         args.md.write_text(f"# Selection regret on {sources}\n\n{text}\n")
+    if args.plot is not None:
+        plot_regret(args.plot, rows, regrets, ", ".join(path.parent.name for path in args.records))
     return 0
+
+
+def plot_regret(path: Path, rows: list[dict], regrets: dict[str, list[float]], title: str) -> None:
+    """Left: each selector's per-case regret as a CDF, with the issue's 3% line. Right: the GM
+    regret per family, one bar per selector."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    selectors = [s for s, values in regrets.items() if values]
+    families = sorted({family_of(row["case"]) for row in rows})
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [1, 1.6]})
+    for sel_name in selectors:
+        values = sorted(regrets[sel_name])
+        cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
+                 label=f"{sel_name} (GM {gm_of(values):.4f})")
+    cdf.axvline(1.03, color="grey", lw=0.8, ls="--")
+    cdf.set_xlabel("regret (chosen plan ms / fastest timed plan ms)")
+    cdf.set_ylabel("fraction of cases")
+    cdf.legend(fontsize=7, loc="lower right")
+    width = 0.8 / max(1, len(selectors))
+    for i, sel_name in enumerate(selectors):
+        ys = []
+        for family in families:
+            mine = [row[sel_name][1] / row["best_ms"] for row in rows
+                    if family_of(row["case"]) == family and row[sel_name][1] is not None]
+            ys.append(gm_of(mine) - 1.0 if mine else 0.0)
+        bars.bar([x + i * width for x in range(len(families))], [100 * y for y in ys], width, label=sel_name)
+    bars.set_xticks([x + 0.4 - width / 2 for x in range(len(families))], families, rotation=30)
+    bars.set_ylabel("GM regret per family (% over the fastest)")
+    bars.legend(fontsize=7)
+    fig.suptitle(f"Selection regret, {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def regret_split(plans: dict[str, float], chosen: str, best_ms: float) -> tuple[float, float]:
