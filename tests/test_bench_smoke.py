@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tessera_diffusers.bench import cli
-from tessera_diffusers.bench.backends import FlexAttentionBackend, flex_kernel_options, kv_block_lists
+from tessera_diffusers.bench.backends import FlexAttentionBackend, OracleBackend, flex_kernel_options, kv_block_lists
+from tessera_diffusers.bench.config import BenchConfig
 from tessera_diffusers.bench.flashinfer_backends import (
     FlashInferBsr,
     FlashInferVariable,
@@ -21,7 +22,7 @@ from tessera_diffusers.bench.flashinfer_backends import (
     gathered_key_tokens,
     variable_block_sizes,
 )
-from tessera_diffusers.bench.harness import relabel_legacy
+from tessera_diffusers.bench.harness import RunState, interleaved_case, relabel_legacy
 from tessera_diffusers.bench.metrics import compare, geometric_mean, regrets, summarize
 from tessera_diffusers.bench.problem import OracleCheck, Problem, check_heads, make_inputs
 from tessera_diffusers.bench.timing import time_interleaved, time_kernel, time_request
@@ -67,6 +68,58 @@ def test_smoke_run_writes_its_files(tmp_path) -> None:
     rebuilt = (out / "results.md").read_text()
     assert "NVIDIA H200 sm90" in rebuilt and "torch 2.11.0+cu130" in rebuilt and "CUDA-event timings" in rebuilt
     assert json.loads((out / "results.json").read_text())["environment"]["gpu"] == "NVIDIA H200"
+
+
+def test_interleaved_bench_times_a_case_in_turn(tmp_path) -> None:
+    out = tmp_path / "interleaved"
+    assert cli.main(["--smoke", "--interleave", "--out", str(out), "--no-progress", "--families", "Q64K64-DD",
+                     "--no-plots"]) == 0
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    timed = [r for r in records if r["status"] == "ok"]
+    assert len(timed) >= 3 and any(r["backend"] == "reference" for r in timed)
+    names = sorted(r["backend"] for r in timed)
+    for r in timed:  # one batch: every valid backend of the case timed with all the others
+        assert r["timing_method"] == "interleaved" and sorted(r["timed_with"]) == names
+        assert len(r["kernel"]["samples_ms"]) == 2 and r["request_ms"] > 0 and r["check"]["ok"]
+    assert "timed in turn with the device kept busy" in (out / "results.md").read_text()
+    assert cli.main(["--smoke", "--out", str(out), "--no-progress", "--report-only", "--no-plots"]) == 0
+    assert "timed in turn with the device kept busy" in (out / "results.md").read_text()  # from the records
+
+
+class Flaky(OracleBackend):
+    """The oracle under another name; ``oom_once`` runs out of memory on its first preparation."""
+
+    def __init__(self, name: str, oom_once: bool = False, wrong: bool = False):
+        self.name, self.oom_left, self.wrong = name, int(oom_once), wrong
+
+    def prepare(self, problem: Problem):
+        if self.oom_left:
+            self.oom_left -= 1
+            raise torch.OutOfMemoryError("simulated: the held backends fill the device")
+        return problem
+
+    def run(self, prepared, inputs):
+        out = super().run(prepared, inputs)
+        return out + 1.0 if self.wrong else out
+
+
+def test_interleaved_bench_makes_room_when_out_of_memory(tmp_path) -> None:
+    """Out of memory while others are held: they are timed as a batch and freed, then the backend is
+    validated again; an invalid output is recorded and never timed."""
+    problem = small_problem()
+    config = BenchConfig(out_dir=tmp_path, device="cpu", warmup=1, reps=2, input_sets=2, request_reps=1,
+                         interleave=True, progress=False)
+    state = RunState(config, torch.device("cpu"), [], {}, [], set(), {}, tmp_path / "records.jsonl", lambda _: None)
+    inputs = make_inputs(problem, 2, 0)
+    oracle = OracleCheck(problem, inputs[0], check_heads(problem.heads, 2), None)
+    backends = [Flaky("a"), Flaky("b"), Flaky("c", oom_once=True), Flaky("d", wrong=True), Flaky("e")]
+    interleaved_case(state, problem, backends, inputs, oracle, None)
+    by_name = {r["backend"]: r for r in state.records}
+    assert sorted(by_name) == ["a", "b", "c", "d", "e"]
+    assert by_name["a"]["timed_with"] == by_name["b"]["timed_with"] == ["a", "b"]
+    assert by_name["c"]["timed_with"] == by_name["e"]["timed_with"] == ["c", "e"]
+    assert by_name["d"]["status"] == "invalid" and "timed_with" not in by_name["d"]
+    assert all(by_name[n]["status"] == "ok" for n in "abce")
 
 
 def test_flex_block_mask_is_the_logical_mask() -> None:

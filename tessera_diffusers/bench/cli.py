@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-ms", type=float, default=0.0,
                         help="then keep warming up until the device has been busy this long, so every backend is "
                              "timed under sustained load (e.g. 200; 0: the --warmup calls only)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="validate every backend of a case first, then time them in turn with the device kept "
+                             "busy (dense baselines timed on every case), instead of each right after its own setup")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--input-sets", type=int, default=3, help="rotated q/k/v sets (keeps operands out of L2)")
     parser.add_argument("--request-reps", type=int, default=3)
@@ -95,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             batch=args.batch,
             heads=args.heads,
             warmup=1,
+            interleave=args.interleave,
             reps=2,
             input_sets=2,
             request_reps=1,
@@ -129,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         heads=args.heads,
         warmup=args.warmup,
         warmup_ms=args.warmup_ms,
+        interleave=args.interleave,
         reps=args.reps,
         input_sets=args.input_sets,
         request_reps=args.request_reps,

@@ -99,6 +99,9 @@ class BenchConfig:
     # After the warm-up calls, keep calling until the device has been busy this long (ms) before the
     # timed calls, so every backend is timed under sustained load. 0: the warm-up calls only.
     warmup_ms: float = 0.0
+    # Validate every backend of a case first, then time them in turn with the device kept busy
+    # (harness.interleaved_case); dense baselines are then timed on every case.
+    interleave: bool = False
     reps: int = 10
     input_sets: int = 3
     request_reps: int = 3

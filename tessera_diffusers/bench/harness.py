@@ -4,16 +4,19 @@ For each case the mask is built on the device, ``input_sets`` random ``(q, k, v)
 and every backend is (1) prepared and run once, (2) checked against the oracle on a few heads,
 (3) timed: kernel latency with CUDA events over rotated inputs, complete-request latency on the
 host clock. A dense backend's time depends on the shape only, so it is measured once per shape and
-shared by the cases of that shape. Records are appended to ``records.jsonl`` as they are made, so
-a run that is cut short keeps what it measured (``--resume`` continues it, ``--report-only``
-rebuilds the report).
+shared by the cases of that shape. With ``--interleave`` a case's backends (its dense ones too) are
+all validated first and then timed in turn, with the device kept busy (``interleaved_case``).
+Records are appended to ``records.jsonl`` as they are made, so a run that is cut short keeps what it
+measured (``--resume`` continues it, ``--report-only`` rebuilds the report).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import re
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -29,7 +32,7 @@ from .config import BenchConfig, default_backends
 from .flashinfer_backends import FlashInferBsr, FlashInferVariable
 from .problem import OracleCheck, Problem, check_heads, dtype_named, make_inputs
 from .tessera_backends import TesseraPlan, TesseraSelected, candidate_plans
-from .timing import synchronize, time_kernel, time_request
+from .timing import INTERLEAVED_WARM_LAUNCHES, Timing, synchronize, time_interleaved, time_kernel, time_request
 
 RECORDS_FILE = "records.jsonl"
 ERROR_CHARS = 600
@@ -110,16 +113,33 @@ def failure(record: dict, status: str, reason: str) -> dict:
     return record
 
 
+@dataclass
+class Held:
+    """A validated backend, kept ready to be timed: its prepared state and converted inputs."""
+
+    backend: Backend
+    prepared: Any
+    converted: list
+
+    def run(self, index: int) -> object:
+        return self.backend.run(self.prepared, self.converted[index])
+
+
 def measure(state: RunState, backend: Backend, problem: Problem, inputs: list, oracle: OracleCheck) -> dict:
     """Validate and time one backend on one problem; never raises for a backend's own failure."""
-    cfg = state.config
+    record, held = validate(state, backend, problem, inputs, oracle)
+    return record if held is None else timed(state, record, held, problem, inputs)
+
+
+def validate(state: RunState, backend: Backend, problem: Problem, inputs: list, oracle: OracleCheck,
+             raise_oom: bool = False) -> tuple[dict, Held | None]:
+    """Prepare ``backend``, run it once and compare with the oracle. Returns its record and, when the
+    output is valid, the backend held ready for timing; otherwise the failure record and None (a
+    backend's own failure is a result, never raised — but out-of-memory with ``raise_oom``)."""
     record = base_record(problem, backend)
     reason = backend.unsupported(problem)
     if reason:
-        record.update(backend.describe())
-        record["backend"] = backend.name
-        return failure(record, "skipped", reason)
-    converted: list = []
+        return failure(described(record, backend), "skipped", reason), None
     try:
         start = time.perf_counter()
         prepared = backend.prepare(problem)
@@ -135,32 +155,49 @@ def measure(state: RunState, backend: Backend, problem: Problem, inputs: list, o
         strict = backend.kind == "tessera"
         allowed = check.tolerance if strict else BASELINE_SLACK * check.tolerance
         if not check.error <= allowed:
-            return failure(record, "invalid", f"output differs from the oracle: max error {check.error:.3g} > "
-                                              f"{allowed:.3g} allowed (twin error {check.twin_error:.3g})")
+            return failure(described(record, backend), "invalid",
+                           f"output differs from the oracle: max error {check.error:.3g} > {allowed:.3g} allowed "
+                           f"(twin error {check.twin_error:.3g})"), None
         if strict and not check.empty_rows_zero:
-            return failure(record, "invalid", "rows without keys are not 0")
-        n = len(converted)
-        kernel = time_kernel(lambda i: backend.run(prepared, converted[i]), n, cfg.warmup, cfg.reps, problem.device,
-                             cfg.warmup_ms)
-        converted = []  # free the converted copies before the request timing makes its own
+            return failure(described(record, backend), "invalid", "rows without keys are not 0"), None
+        return record, Held(backend, prepared, converted)
+    except torch.OutOfMemoryError:
+        if raise_oom:
+            raise
+        return crashed(state, record, backend, problem), None
+    except Skip as err:
+        return failure(described(record, backend), "skipped", str(err)), None
+    except Exception:  # noqa: BLE001  (a baseline's own failure is a result, not a crash of the run)
+        return crashed(state, record, backend, problem), None
+
+
+def timed(state: RunState, record: dict, held: Held, problem: Problem, inputs: list,
+          kernel: Timing | None = None) -> dict:
+    """``record`` of a validated backend completed with its timings: the kernel's (timed here after
+    the warm-up, or ``kernel`` when it was timed in turn with the case's other backends), then the
+    complete request's. Frees what ``held`` holds."""
+    cfg = state.config
+    backend = held.backend
+    try:
+        if kernel is None:
+            kernel = time_kernel(held.run, len(held.converted), cfg.warmup, cfg.reps, problem.device, cfg.warmup_ms)
+        held.converted = []  # free the converted copies before the request timing makes its own
         request = None
         reps = cfg.plan_request_reps if isinstance(backend, TesseraPlan) else cfg.request_reps
-        if reps > 0:  # the validation run above already warmed every code path: no warm-up needed
+        if reps > 0:  # the validation run already warmed every code path: no warm-up needed
+            n = len(inputs)
             request = time_request(lambda i: backend.request(problem, *inputs[i % n]), n, 0, reps, problem.device)
     except Skip as err:
-        return failure(record, "skipped", str(err))
-    except Exception as err:  # noqa: BLE001  (a baseline's own failure is a result, not a crash of the run)
-        state.log(f"{backend.name} on {problem.name}: {type(err).__name__}: {err}")
-        record["traceback"] = traceback.format_exc()[-2000:]
-        return failure(record, "failed", f"{type(err).__name__}: {err}")
+        return failure(described(record, backend), "skipped", str(err))
+    except Exception:  # noqa: BLE001  (a baseline's own failure is a result, not a crash of the run)
+        return crashed(state, record, backend, problem)
     finally:
-        converted = []
-        record.update(backend.describe())  # after the run: it may note what the run had to change
-        record["backend"] = backend.name  # a describe() key must never rename the record
+        held.converted, held.prepared = [], None
         if problem.device.type == "cuda":
             torch.cuda.empty_cache()
     work = problem.dense_flops() if backend.kind == "dense" else problem.effective_flops()
-    record.update(
+    record.setdefault("timing_method", "sequential")
+    described(record, backend).update(
         status="ok",
         kernel_ms=kernel.median_ms,
         kernel=kernel.to_dict(),
@@ -169,6 +206,24 @@ def measure(state: RunState, backend: Backend, problem: Problem, inputs: list, o
         tflops=work / (kernel.median_ms * 1e-3) / 1e12,
     )
     return record
+
+
+def described(record: dict, backend: Backend) -> dict:
+    """``record`` with the backend's own description (after its run: it may note what the run had to
+    change); a description key never renames the record's backend."""
+    record.update(backend.describe())
+    record["backend"] = backend.name
+    return record
+
+
+def crashed(state: RunState, record: dict, backend: Backend, problem: Problem) -> dict:
+    """The failure record of the exception being handled (logged, traceback kept)."""
+    err = sys.exc_info()[1]
+    state.log(f"{backend.name} on {problem.name}: {type(err).__name__}: {err}")
+    record["traceback"] = traceback.format_exc()[-2000:]
+    if problem.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return failure(described(record, backend), "failed", f"{type(err).__name__}: {err}")
 
 
 def emit(state: RunState, record: dict) -> None:
@@ -292,15 +347,72 @@ def run_case(state: RunState, problem: Problem, with_plans: bool, bar: Any) -> N
             case_backends.extend(plan_backends(state, problem))
     if with_plans and not any(isinstance(b, TesseraSelected) for b in state.backends):
         case_backends = plan_backends(state, problem) + case_backends
-    for backend in case_backends:
-        if (problem.key, backend.name) in state.done:
-            continue
+    todo = [b for b in case_backends if (problem.key, b.name) not in state.done]
+    if cfg.interleave:
+        interleaved_case(state, problem, todo, inputs, oracle, bar)
+        return
+    for backend in todo:
         bar_postfix(bar, backend.name)
         if backend.kind == "dense":
             record = measure_dense(state, backend, problem, inputs)
         else:
             record = measure(state, backend, problem, inputs, oracle)
         emit(state, record)
+
+
+def interleaved_case(state: RunState, problem: Problem, backends: list[Backend], inputs: list, oracle: OracleCheck,
+                     bar: Any) -> None:
+    """``--interleave``: every backend of the case is validated first (a dense one against its own
+    oracle, on this case: no sharing across the cases of a shape), then the valid ones are timed in
+    turn in one busy stretch of the device (``timing.time_interleaved``, at least
+    ``INTERLEAVED_WARM_LAUNCHES`` warm-up launches). Timed one after another, a kernel that follows
+    an idle gap runs at a higher clock than one under load, so a short sparse kernel timed right
+    after its own setup can look a few percent faster beside a long dense one than it would in a
+    loop. When the device runs out of memory for the next backend, the ones held so far are timed
+    as a batch and freed, and that backend is validated again."""
+    dense_oracle = None
+    held: list[tuple[dict, Held]] = []
+    for backend in backends:
+        bar_postfix(bar, backend.name)
+        check = oracle
+        if backend.kind == "dense":
+            if dense_oracle is None:
+                heads = check_heads(problem.heads, state.config.validate_heads)
+                dense_oracle = OracleCheck(problem, inputs[0], heads, state.config.atol, dense=True)
+            check = dense_oracle
+        while True:
+            try:
+                record, ready = validate(state, backend, problem, inputs, check, raise_oom=bool(held))
+            except torch.OutOfMemoryError:
+                time_held_batch(state, problem, inputs, held)  # make room, then try this backend again
+                held = []
+                continue
+            break
+        if ready is None:
+            emit(state, record)
+        else:
+            held.append((record, ready))
+    time_held_batch(state, problem, inputs, held)
+
+
+def time_held_batch(state: RunState, problem: Problem, inputs: list, held: list[tuple[dict, Held]]) -> None:
+    """Time validated backends in turn and record them (each record names the backends it was timed
+    with); a failure of the batch is every backend's record."""
+    if not held:
+        return
+    cfg = state.config
+    rounds = max(cfg.warmup, math.ceil(INTERLEAVED_WARM_LAUNCHES / len(held)))
+    names = [ready.backend.name for _, ready in held]
+    try:
+        timings = time_interleaved([ready.run for _, ready in held], len(inputs), rounds, cfg.reps, problem.device)
+    except Exception:  # noqa: BLE001  (the batch fails as one: each backend gets the record)
+        for record, ready in held:
+            emit(state, crashed(state, record, ready.backend, problem))
+            ready.converted, ready.prepared = [], None
+        return
+    for (record, ready), timing in zip(held, timings):
+        record.update(timing_method="interleaved", timed_with=names)
+        emit(state, timed(state, record, ready, problem, inputs, timing))
 
 
 def plan_backends(state: RunState, problem: Problem) -> list[Backend]:

@@ -17,6 +17,7 @@ from ..corpus import FAMILIES, NINE_FAMILIES
 from .config import SIZE_PROFILES, BenchConfig
 from .flashinfer_backends import flashinfer_version
 from .metrics import BEST_PLAN, DENSE_YARDSTICK, FLASHINFER_BEST, TESSERA
+from .timing import INTERLEAVED_WARM_LAUNCHES
 
 FAMILY_ORDER = [f.name for f in FAMILIES]
 # Columns of the family tables, in this order when present.
@@ -166,8 +167,9 @@ def kernel_study(summary: dict, size: str) -> list[str]:
                  rows)
 
 
-def header_lines(env: dict, config: BenchConfig) -> list[str]:
-    """The environment and protocol lines that open every report."""
+def header_lines(env: dict, config: BenchConfig, records: list[dict] = ()) -> list[str]:
+    """The environment and protocol lines that open every report (the timing method as the records
+    say, so that a report rebuilt with ``--report-only`` names the method of the measuring run)."""
     gpu = env.get("gpu") or "no GPU (CPU run)"
     device = (f"- device: {gpu} {env.get('capability', '')} ({env.get('sms', '-')} SMs, "
               f"{env.get('gpu_memory_gib', '-')} GiB), driver {env.get('driver') or '-'}, "
@@ -180,9 +182,14 @@ def header_lines(env: dict, config: BenchConfig) -> list[str]:
     else:
         sizes = "- sizes: " + "; ".join(f"{s}: {SIZE_PROFILES[s].description}" for s in config.sizes)
     timer = "CUDA-event" if env.get("gpu") else "host-clock"
-    warm = f"{config.warmup} warm-ups" + (f" and {config.warmup_ms:g} ms of sustained warm-up" if config.warmup_ms else "")
+    if config.interleave or any(r.get("timing_method") == "interleaved" for r in records):
+        warm = (f"at least {INTERLEAVED_WARM_LAUNCHES} warm-up launches, every valid backend of a case timed in "
+                "turn with the device kept busy (dense baselines on every case)")
+    else:
+        warm = f"{config.warmup} warm-ups" + (f" and {config.warmup_ms:g} ms of sustained warm-up"
+                                              if config.warmup_ms else "") + ", each backend right after its setup"
     protocol = (f"- {config.dtype}, D={config.head_dim}, batch {config.batch}; kernel latency = median of "
-                f"{config.reps} {timer} timings after {warm} over {config.input_sets} rotated "
+                f"{config.reps} {timer} timings after {warm}, over {config.input_sets} rotated "
                 f"input sets; complete request = median of {config.request_reps} host-clock timings; every output "
                 f"checked against the fp32 oracle on {config.validate_heads} heads before it is timed")
     return [
@@ -206,7 +213,7 @@ DERIVED_NOTE = (
 
 
 def markdown(env: dict, config: BenchConfig, records: list[dict], summary: dict, unavailable: dict) -> str:
-    lines = header_lines(env, config)
+    lines = header_lines(env, config, records)
     if unavailable:
         lines += ["**Not run:** " + "; ".join(f"`{k}`: {v}" for k, v in unavailable.items()), ""]
     families = summary["families"]

@@ -17,6 +17,11 @@ import torch
 
 from ..errors import InvalidArgumentError
 
+# Interleaved timing: untimed launches at least, before kernels are timed in turn, so that every
+# sample is taken with the GPU under sustained load (about 150 ms of 3-ms kernels;
+# benchmarks/timing_spread.py)
+INTERLEAVED_WARM_LAUNCHES = 48
+
 
 @dataclass(frozen=True)
 class Timing:

@@ -34,7 +34,7 @@ import torch
 
 from ..bench.problem import OracleCheck, Problem, check_heads, dtype_named, make_inputs
 from ..bench.tessera_backends import request_of
-from ..bench.timing import Timing, synchronize, time_interleaved, time_kernel
+from ..bench.timing import INTERLEAVED_WARM_LAUNCHES, Timing, synchronize, time_interleaved, time_kernel
 from ..catalog import catalog_hash, plans_for, reference_kernel
 from ..corpus import CaseSpec
 from ..cost_model import estimate_ms
@@ -52,10 +52,6 @@ ERROR_CHARS = 600
 # Query-tile heights, in block rows, whose row-union ratio a case record keeps: 128-row tiles over
 # 16-token blocks are 8 rows, 64-row tiles over 32-token blocks 2.
 ROW_UNION_SIZES = (2, 4, 8)
-# Interleaved timing (the default): untimed launches before a case's plans are timed in turn, so that
-# every sample is taken with the GPU under sustained load (about 150 ms of 3-ms kernels;
-# benchmarks/timing_spread.py)
-INTERLEAVED_WARM_LAUNCHES = 48
 
 
 @dataclass(frozen=True)
