@@ -29,10 +29,13 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from tessera_diffusers import build_mask_state
+import torch
+
+from tessera_diffusers import LogicalMask, build_mask_state
 from tessera_diffusers.catalog import plans_for, portable_kernels
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.plan_table import PlanTable, load_plan_table
@@ -59,6 +62,15 @@ def synthetic_table(request: Request) -> PlanTable:
     profile = synthetic_profile(request.arch, portable_kernels(), plans, [request], latency, 256, groups=5)
     table, _ = compile_table(profile, CompileOptions(min_leaf=32))
     return table
+
+
+def banded_mask(seq: int, bq: int, bkv: int, density: float) -> LogicalMask:
+    """A band of KV blocks around the diagonal covering ``density`` of the mask (one head)."""
+    nq, nkv = -(-seq // bq), -(-seq // bkv)
+    width = max(1, round(density * nkv))
+    rows = torch.arange(nq).unsqueeze(1) * nkv // nq
+    cols = torch.arange(nkv).unsqueeze(0)
+    return LogicalMask.from_blocks((cols - rows).abs() <= width // 2, bq, bkv, seq, seq)
 
 
 def percentiles(samples_ns: list[int]) -> dict[str, float]:
@@ -105,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     request = Request(1, args.heads, args.seq, args.seq, 128, "bf16", bq, bkv, arch)
     if not args.table:
         table = synthetic_table(request)
-    # Masks over the density range, one head (broadcast): statistics differ, regimes alternate.
+    # Masks over the density range, one head (broadcast), half of them random short runs and half
+    # banded (long runs, neighbouring rows alike): statistics differ, regimes alternate.
     states = [build_mask_state(random_mask(1, 1, args.seq, args.seq, bq, bkv, density=0.04 + 0.3 * i / args.masks,
-                                           empty_rows=False, seed=i)) for i in range(args.masks)]
+                                           empty_rows=False, seed=i) if i % 2 == 0 else
+                               banded_mask(args.seq, bq, bkv, 0.04 + 0.3 * i / args.masks))
+              for i in range(args.masks)]
     n = len(states)
     kernels = table.kernels if table.kernels else portable_kernels()
 
@@ -135,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"selection step, {request.name}, {len(bucket.regimes)} regimes, tree reads "
           f"{[s for s in table.features.stats if table.features.stats.index(s) in bucket.tree.stats_used]}, "
           f"{'synthetic table' if not args.table else args.table}")
+    hits = Counter()
+    for state in states:
+        selection = Selector(table=table, kernels=kernels).selection(request, state)
+        hits[f"regime {selection.regime.index if selection.regime else '-'} ({selection.source})"] += 1
+    print("masks: " + ", ".join(f"{count} in {where}" for where, count in sorted(hits.items())))
     print(f"{'path':<12} {'P50 us':>8} {'P95 us':>8} {'P99 us':>8}")
     for name, row in rows.items():
         print(f"{name:<12} {row['p50_us']:8.2f} {row['p95_us']:8.2f} {row['p99_us']:8.2f}")
