@@ -33,15 +33,13 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from tessera_diffusers import LogicalMask, build_mask_state
+from tessera_diffusers import build_mask_state
 from tessera_diffusers.catalog import plans_for, portable_kernels
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.plan_table import PlanTable, load_plan_table
 from tessera_diffusers.plans import Request
 from tessera_diffusers.selector import Selector
-from tessera_diffusers.testing import random_mask
+from tessera_diffusers.testing import banded_mask, random_mask
 
 TARGET_P95_US = 20.0
 
@@ -62,15 +60,6 @@ def synthetic_table(request: Request) -> PlanTable:
     profile = synthetic_profile(request.arch, portable_kernels(), plans, [request], latency, 256, groups=5)
     table, _ = compile_table(profile, CompileOptions(min_leaf=32))
     return table
-
-
-def banded_mask(seq: int, bq: int, bkv: int, density: float) -> LogicalMask:
-    """A band of KV blocks around the diagonal covering ``density`` of the mask (one head)."""
-    nq, nkv = -(-seq // bq), -(-seq // bkv)
-    width = max(1, round(density * nkv))
-    rows = torch.arange(nq).unsqueeze(1) * nkv // nq
-    cols = torch.arange(nkv).unsqueeze(0)
-    return LogicalMask.from_blocks((cols - rows).abs() <= width // 2, bq, bkv, seq, seq)
 
 
 def percentiles(samples_ns: list[int]) -> dict[str, float]:
@@ -121,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     # banded (long runs, neighbouring rows alike): statistics differ, regimes alternate.
     states = [build_mask_state(random_mask(1, 1, args.seq, args.seq, bq, bkv, density=0.04 + 0.3 * i / args.masks,
                                            empty_rows=False, seed=i) if i % 2 == 0 else
-                               banded_mask(args.seq, bq, bkv, 0.04 + 0.3 * i / args.masks))
+                               banded_mask(1, args.seq, bq, bkv, 0.04 + 0.3 * i / args.masks))
               for i in range(args.masks)]
     n = len(states)
     kernels = table.kernels if table.kernels else portable_kernels()

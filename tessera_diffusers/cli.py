@@ -21,6 +21,8 @@ def add_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--density", type=float, default=0.1)
+    p.add_argument("--mask", choices=("random", "banded"), default="random",
+                   help="random short runs per head, or one diagonal band (long runs, neighbouring rows alike)")
     p.add_argument("--arch", default=None, help="e.g. sm90; default: this machine's GPU, else sm90")
     p.add_argument("--table", default=None,
                    help="a plan table file (default: the shipped table of the architecture, else the cost model)")
@@ -34,13 +36,17 @@ def run_explain(args: argparse.Namespace) -> int:
     from .plan_table import load_plan_table
     from .plans import Request
     from .selector import AUTO, rank
-    from .testing import random_mask
+    from .testing import banded_mask, random_mask
 
     bq, bkv = (int(x) for x in args.geometry.upper().lstrip("Q").split("K"))
     arch = args.arch
     if arch is None:
         arch = "sm{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else "sm90"
-    mask = random_mask(1, min(args.heads, 4), args.seq, args.seq, bq, bkv, density=args.density, empty_rows=False)
+    heads = min(args.heads, 4)
+    if args.mask == "banded":
+        mask = banded_mask(heads, args.seq, bq, bkv, args.density)
+    else:
+        mask = random_mask(1, heads, args.seq, args.seq, bq, bkv, density=args.density, empty_rows=False)
     request = Request(1, args.heads, args.seq, args.seq, args.head_dim, args.dtype, bq, bkv, arch)
     table = None if args.no_table else (load_plan_table(args.table) if args.table else AUTO)
     print(rank(request, build_mask_state(mask), assume_native=True, table=table).explain())

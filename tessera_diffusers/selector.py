@@ -44,7 +44,7 @@ from .cost_model import PlanEstimator
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
-from .plan_table import PlanTable, RankedPlan, Regime, RegimeTree, ScheduleRule, default_table, tile_group
+from .plan_table import STAT_NAMES, PlanTable, RankedPlan, Regime, RegimeTree, ScheduleRule, default_table, tile_group
 from .plans import KernelSpec, PhysicalPlan, Request
 
 AUTO = "auto"  # Selector.table: the shipped table of each request's architecture
@@ -68,8 +68,9 @@ class Selection:
         lines = [f"request  {self.request.name}", f"source   {self.source}"]
         if self.regime is not None:
             lines.append(f"regime   {self.regime.name}: {self.regime.rule} ({self.regime.cases} profiled cases)")
+            lines.append(f"choice   {describe_choice(self.regime)}")
         lines += [f"note     {note}" for note in self.notes]
-        unit = "geometric-mean ms over the regime's cases" if self.source == "plan table" else "predicted ms"
+        unit = "predicted ms" if self.source.endswith("cost model") else "geometric-mean ms over the regime's cases"
         lines.append(f"ranking ({unit}):")
         for name, ms in self.ranking[:limit]:
             lines.append(f"  {'      -  ' if ms is None else f'{ms:9.3f}'}  {name}")
@@ -417,6 +418,16 @@ class Selector:
         order = sorted(range(len(estimates)), key=estimates.__getitem__)  # stable: ties keep catalog order
         ranking = tuple((entry.eligible_names[i], estimates[i]) for i in order)
         return Selection(request, ranking, entry.rejected, entry.eligible[order[0]], "cost model", None, notes)
+
+
+def describe_choice(regime: Regime) -> str:
+    """How ``regime`` picks its plan (``Regime.choice``), in words."""
+    if regime.choice == "plan_rule":
+        rule = regime.plan_rule
+        return (f"plan rule: {rule.below} if {STAT_NAMES[rule.stat]} <= {rule.threshold:.4g}, else {rule.above}")
+    if regime.choice == "cost_model":
+        return f"the cost model among the regime's {len(regime.contenders)} contenders"
+    return "the ranking's first eligible plan"
 
 
 def ruled(selection: Selection, kind: str, rule: ScheduleRule, plans: Mapping[str, PhysicalPlan], state: MaskState,

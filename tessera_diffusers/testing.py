@@ -59,6 +59,17 @@ def random_mask(
     return LogicalMask(blocks.to(device), block_q, block_kv, seq_q, seq_kv)
 
 
+def banded_mask(heads: int, seq: int, block_q: int, block_kv: int, density: float = 0.1,
+                device: torch.device | str = "cpu") -> LogicalMask:
+    """A band of KV blocks around the diagonal covering about ``density`` of the mask, the same for
+    every head (long runs, neighbouring rows alike: a sliding window's shape)."""
+    n_q, n_kv = math.ceil(seq / block_q), math.ceil(seq / block_kv)
+    width = max(1, round(density * n_kv))
+    centre = torch.arange(n_q).unsqueeze(1) * n_kv // n_q
+    band = (torch.arange(n_kv).unsqueeze(0) - centre).abs() <= width // 2
+    return LogicalMask(band.expand(1, heads, n_q, n_kv).to(device), block_q, block_kv, seq, seq)
+
+
 def random_qkv(
     batch: int, seq_q: int, seq_kv: int, heads: int, head_dim: int, dtype: torch.dtype, device, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from tessera_diffusers.plans import KvLayout, PhysicalPlan, Request, TaskOrganiz
 from tessera_diffusers.profile.compile import CompileOptions, compile_table
 from tessera_diffusers.profile.synthetic import cost_model_latency, synthetic_profile
 from tessera_diffusers.selector import Selector, rank
-from tessera_diffusers.testing import random_mask, random_qkv
+from tessera_diffusers.testing import banded_mask, random_mask, random_qkv
 
 SEQ = 4096  # bucket s1-4096: requests down to a handful of tokens share it
 REQUEST = Request(1, 24, SEQ, SEQ, 128, "bf16", 64, 64, "sm90")
@@ -226,6 +226,9 @@ def test_a_plan_rule_picks_the_plan_of_a_regime_by_a_statistic():
         assert selection.source == "plan table + plan rule" and selection.chosen == expected
         assert any(n.startswith("plan rule: density") for n in selection.notes)
         assert "host_stat_values" in state.__dict__  # it read this mask's statistics
+        text = selection.explain()
+        assert f"choice   plan rule: {SPLIT4.name} if density <=" in text
+        assert "ranking (geometric-mean ms over the regime's cases)" in text
     reuse = Selector(table=ruled, kernels=portable_kernels(), reuse_regime=True)
     first = reuse.selection(REQUEST, state_with_density(0.05))
     later = state_with_density(0.4)
@@ -265,6 +268,8 @@ def test_a_regime_can_hand_its_choice_to_the_cost_model():
     selection = selector.selection(request, state_with_density(0.1))
     assert selection.source == "plan table + cost model" and selection.chosen.name in regime.contenders
     assert any("the cost model's" in n for n in selection.notes)
+    text = selection.explain()
+    assert "choice   the cost model among the regime's 2 contenders" in text and "ranking (predicted ms)" in text
 
 
 def test_a_schedule_rule_picks_the_task_organization_by_a_statistic():
@@ -295,3 +300,20 @@ def test_a_schedule_rule_picks_the_task_organization_by_a_statistic():
     assert reuse.select(REQUEST, later) == SPLIT4 and "host_stat_values" not in later.__dict__
     reuse.forget_regimes()
     assert reuse.select(REQUEST, later) == DIRECT
+
+
+def test_explain_cli_names_the_regime_and_its_choice(capsys):
+    """``tessera explain`` on a random and on a banded mask (long runs, neighbouring rows alike):
+    both name the regime, how it picks its plan, and the plan; the two masks differ in the
+    statistics the shipped Q64K64 regimes are told apart by."""
+    from tessera_diffusers import cli
+
+    for kind in ("random", "banded"):
+        assert cli.main(["explain", "--geometry", "Q64K64", "--seq", "4096", "--heads", "2", "--mask", kind]) == 0
+        text = capsys.readouterr().out
+        assert "request  sm90/Q64K64" in text and "\nchosen   " in text
+        assert "\nchoice   " in text or "source   cost model" in text
+    banded = build_mask_state(banded_mask(2, 4096, 64, 64, 0.1)).host_stats()
+    scattered = build_mask_state(random_mask(1, 2, 4096, 4096, 64, 64, density=0.1, empty_rows=False)).host_stats()
+    assert banded["mean_run_length"] > 3 * scattered["mean_run_length"]
+    assert banded["row_overlap"] > scattered["row_overlap"] and abs(banded["density"] - 0.1) < 0.03
