@@ -228,14 +228,24 @@ def test_sustained_warmup_runs_until_the_device_was_busy_that_long() -> None:
 
 
 def test_interleaved_timing_takes_every_kernel_in_turn() -> None:
-    """Warm-up rounds of every kernel, then reps rounds, each starting one kernel later, input set
-    (warmup + r) % n_sets in round r: one Timing of reps samples per kernel, in the runs' order."""
+    """Warm-up rounds of every kernel, then reps rounds, each a permutation of the kernels (the same
+    in every run), input set (warmup + r) % n_sets in round r: one Timing of reps samples per kernel,
+    in the runs' order. No kernel follows the same one in every round."""
     calls = []
-    runs = [lambda i, j=j: calls.append((j, i)) for j in range(3)]
-    timings = time_interleaved(runs, 2, 1, 3, torch.device("cpu"))
-    assert calls[:3] == [(0, 0), (1, 0), (2, 0)]  # one warm-up round on set 0
-    assert calls[3:] == [(0, 1), (1, 1), (2, 1), (1, 0), (2, 0), (0, 0), (2, 1), (0, 1), (1, 1)]
-    assert [len(t.samples_ms) for t in timings] == [3, 3, 3] and timings[0].timer == "host_monotonic"
+    runs = [lambda i, j=j: calls.append((j, i)) for j in range(5)]
+    timings = time_interleaved(runs, 2, 1, 8, torch.device("cpu"))
+    assert calls[:5] == [(j, 0) for j in range(5)]  # one warm-up round on set 0
+    rounds = [calls[5 + 5 * r: 10 + 5 * r] for r in range(8)]
+    for r, launched in enumerate(rounds):
+        assert sorted(j for j, _ in launched) == list(range(5)) and {i for _, i in launched} == {(1 + r) % 2}
+    for j in range(5):
+        before = {launched[k - 1][0] for launched in rounds for k in range(1, 5) if launched[k][0] == j}
+        assert len(before) >= 2, f"kernel {j} always follows the same kernel"
+    first = list(calls)
+    calls.clear()
+    time_interleaved(runs, 2, 1, 8, torch.device("cpu"))
+    assert calls == first  # the same order in every run
+    assert [len(t.samples_ms) for t in timings] == [8] * 5 and timings[0].timer == "host_monotonic"
     assert time_interleaved([], 2, 1, 3, torch.device("cpu")) == []
     with pytest.raises(InvalidArgumentError):
         time_interleaved(runs, 1, 0, 0, torch.device("cpu"))

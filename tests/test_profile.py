@@ -138,7 +138,8 @@ def test_interleaved_profile_validates_then_times_every_plan(tmp_path, broken_sp
     plans = [r for r in records(out) if r.get("type") == "plan"]
     ok = [r for r in plans if r["status"] == "ok"]
     invalid = [r for r in plans if r["status"] == "invalid"]
-    assert ok and all(r["interleaved"] and not r["abandoned"] and len(r["samples_ms"]) == 3 for r in ok)
+    assert ok and all(r["interleaved"] and r["round_order"] == "shuffled" and not r["abandoned"]
+                      and len(r["samples_ms"]) == 3 for r in ok)
     assert invalid and all("split2" in r["plan"] and "samples_ms" not in r for r in invalid)
     assert len(ok) + len(invalid) == len(plans)
     assert load_plan_table(out / "plan_table_cpu.json").plans

@@ -8,6 +8,7 @@ synchronized end, including every mask-dependent step. On a CPU device both use 
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +22,9 @@ from ..errors import InvalidArgumentError
 # sample is taken with the GPU under sustained load (about 150 ms of 3-ms kernels;
 # benchmarks/timing_spread.py)
 INTERLEAVED_WARM_LAUNCHES = 48
+# How time_interleaved orders a round's launches ("shuffled": a seeded permutation per round). Records
+# without it (before 2026-11-30's second profile) started each round one kernel later ("rotated").
+INTERLEAVED_ROUND_ORDER = "shuffled"
 
 
 @dataclass(frozen=True)
@@ -118,13 +122,19 @@ def elapsed_ms(block: Callable[[], object], device: torch.device) -> float:
 def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: int, reps: int,
                      device: torch.device) -> list[Timing]:
     """Latencies of several kernels timed in turn: ``warmup`` untimed rounds of every ``runs[j](set)``
-    back to back, then ``reps`` timed rounds, each starting one kernel later than the last (so no
-    kernel always follows the same one). On CUDA every launch is queued without a host sync until
-    the end, so the GPU stays busy from the first warm-up to the last sample and every kernel is
-    timed in the same sustained state; timed one after another, a kernel that follows an idle gap
-    can run faster than one under load (up to 12% on the H200, as a higher clock after idle would:
-    ``benchmarks/timing_spread.py``). Sample ``r`` of every kernel uses input set
-    ``(warmup + r) % n_sets``."""
+    back to back, then ``reps`` timed rounds, each in its own order (a permutation drawn from a
+    generator seeded by the round: the same in every run). On CUDA every launch is queued without a
+    host sync until the end, so the GPU stays busy from the first warm-up to the last sample and
+    every kernel is timed in the same sustained state; timed one after another, a kernel that
+    follows an idle gap can run faster than one under load (up to 12% on the H200, as a higher clock
+    after idle would: ``benchmarks/timing_spread.py``). Sample ``r`` of every kernel uses input set
+    ``(warmup + r) % n_sets``.
+
+    Until 2026-11-30 each round started one kernel later ("rotated"), so a kernel nearly always
+    followed the same one, and whatever that one leaves behind (L2 contents, power draw) would bias
+    every sample alike. On the H200 the best 64 x 64 and 128 x 128 Q16K16 plans compared 2-5% apart
+    on the same kind of mask depending on which other plans shared the batch; the cause is not yet
+    isolated, and shuffled rounds at least keep it from being the same in every sample."""
     check_counts(warmup, reps)
     if not runs:
         return []
@@ -132,7 +142,7 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
         for run in runs:
             run(w % n_sets)
     n = len(runs)
-    order = [(r, (r + k) % n) for r in range(reps) for k in range(n)]  # (round, kernel) in launch order
+    order = [(r, j) for r in range(reps) for j in random.Random(r).sample(range(n), n)]  # (round, kernel)
     if device.type != "cuda":
         host = [[0.0] * reps for _ in range(n)]
         for r, j in order:

@@ -34,7 +34,14 @@ import torch
 
 from ..bench.problem import OracleCheck, Problem, check_heads, dtype_named, make_inputs
 from ..bench.tessera_backends import request_of
-from ..bench.timing import INTERLEAVED_WARM_LAUNCHES, Timing, synchronize, time_interleaved, time_kernel
+from ..bench.timing import (
+    INTERLEAVED_ROUND_ORDER,
+    INTERLEAVED_WARM_LAUNCHES,
+    Timing,
+    synchronize,
+    time_interleaved,
+    time_kernel,
+)
 from ..catalog import catalog_hash, plans_for, reference_kernel
 from ..corpus import CaseSpec
 from ..cost_model import estimate_ms
@@ -296,6 +303,7 @@ def timed_record(record: dict, timing: Timing, abandoned: bool = False, interlea
            "timer": timing.timer, "abandoned": abandoned}
     if interleaved:
         out["interleaved"] = True
+        out["round_order"] = INTERLEAVED_ROUND_ORDER
     return out
 
 
