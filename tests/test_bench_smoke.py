@@ -246,6 +246,9 @@ def test_interleaved_timing_takes_every_kernel_in_turn() -> None:
     time_interleaved(runs, 2, 1, 8, torch.device("cpu"))
     assert calls == first  # the same order in every run
     assert [len(t.samples_ms) for t in timings] == [8] * 5 and timings[0].timer == "host_monotonic"
+    calls.clear()  # other work launched before every kernel, warm-ups included
+    time_interleaved(runs, 2, 1, 8, torch.device("cpu"), between=lambda: calls.append(("between", None)))
+    assert calls[0::2] == [("between", None)] * 45 and calls[1::2] == first
     assert time_interleaved([], 2, 1, 3, torch.device("cpu")) == []
     with pytest.raises(InvalidArgumentError):
         time_interleaved(runs, 1, 0, 0, torch.device("cpu"))

@@ -95,6 +95,21 @@ def test_timing_spread_smoke(tmp_path):
     assert "max / min over rounds" in (tmp_path / "timing_spread.md").read_text()
 
 
+def test_batch_context_smoke(tmp_path):
+    """benchmarks/batch_context.py on the CPU: every context timed ``--repeats`` times per case, the
+    targets one plan per tile group, the report per case and context."""
+    module = load("batch_context")
+    assert module.main(["--out", str(tmp_path), "--smoke", "--cases", "2", "--repeats", "2", "--reps", "2"]) == 0
+    payload = json.loads((tmp_path / "batch_context.json").read_text())
+    assert len(payload["cases"]) == 2 and [m[0] for m in payload["marks"]].count("full+gemm") == 2 * 2
+    for case in payload["cases"]:
+        assert case["targets"] and len(set(case["targets"])) == len(case["targets"])
+        for context in module.CONTEXTS:
+            assert all(len(v) == 2 for v in case["times"][context].values())
+    assert "| case | alone | full | gemm | full+gemm |" in (tmp_path / "batch_context.md").read_text()
+    assert module.tile_rows("coarsened-packed_q128k64_from_q16k16_d128_bf16_sm90a_hopper_s2w8_lpt") == 128
+
+
 def test_ptxas_report_reads_both_schedules_and_spills(tmp_path):
     """benchmarks/ptxas_report.py on a log in ptxas's format: one row per Hopper attention kernel
     (static and dynamic schedule), spills and static shared memory read, other kernels ignored."""

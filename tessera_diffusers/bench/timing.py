@@ -120,7 +120,7 @@ def elapsed_ms(block: Callable[[], object], device: torch.device) -> float:
 
 
 def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: int, reps: int,
-                     device: torch.device) -> list[Timing]:
+                     device: torch.device, between: Callable[[], object] | None = None) -> list[Timing]:
     """Latencies of several kernels timed in turn: ``warmup`` untimed rounds of every ``runs[j](set)``
     back to back, then ``reps`` timed rounds, each in its own order (a permutation drawn from a
     generator seeded by the round: the same in every run). On CUDA every launch is queued without a
@@ -128,7 +128,9 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
     every kernel is timed in the same sustained state; timed one after another, a kernel that
     follows an idle gap can run faster than one under load (up to 12% on the H200, as a higher clock
     after idle would: ``benchmarks/timing_spread.py``). Sample ``r`` of every kernel uses input set
-    ``(warmup + r) % n_sets``.
+    ``(warmup + r) % n_sets``. ``between()``, when given, is launched before every kernel (warm-up
+    and timed) outside its timed span: other work, such as the projections that run between the
+    attention calls of a model, so that each kernel is timed in that context.
 
     Until 2026-11-30 each round started one kernel later ("rotated"), so a kernel nearly always
     followed the same one, and whatever that one leaves behind (L2 contents, power draw) would bias
@@ -140,12 +142,16 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
         return []
     for w in range(warmup):
         for run in runs:
+            if between is not None:
+                between()
             run(w % n_sets)
     n = len(runs)
     order = [(r, j) for r in range(reps) for j in random.Random(r).sample(range(n), n)]  # (round, kernel)
     if device.type != "cuda":
         host = [[0.0] * reps for _ in range(n)]
         for r, j in order:
+            if between is not None:
+                between()
             start = time.perf_counter_ns()
             runs[j]((warmup + r) % n_sets)
             host[j][r] = (time.perf_counter_ns() - start) / 1e6
@@ -153,6 +159,8 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
               for _ in range(n)]
     for r, j in order:  # queued without a host sync: the device stays busy from launch to launch
+        if between is not None:
+            between()
         start, end = events[j][r]
         start.record()
         runs[j]((warmup + r) % n_sets)
