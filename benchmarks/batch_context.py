@@ -26,6 +26,10 @@ context (and the table should be profiled in the one that looks like a model's f
     python benchmarks/batch_context.py --out DIR --families Q16K16,Q32K32,Q64K32,Q64K64 \\
         --sources sliding_tile,importance_topk --cases 8 --plan-filter hopper
     python benchmarks/batch_context.py --out DIR --smoke         # CPU, PyTorch executor plans
+
+``--from-records PROFILE [EVAL]`` reads the question off profile records instead (no GPU): per
+(family, source), the same ratio in cases timed with all their plans against cases timed with
+their contenders only (``--contenders-after``), and against a second records file.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from tessera_diffusers.cost_model import estimate_ms
 from tessera_diffusers.mask_state import build_mask_state
 from tessera_diffusers.plan_table import tile_group
 from tessera_diffusers.profile.config import ProfileConfig, smoke_config
+from tessera_diffusers.profile.records import read_records
 from tessera_diffusers.profile.runner import build_problem, case_plans, profiling_kernels, validate_plan
 
 CONTEXTS = ("alone", "full", "gemm", "full+gemm")
@@ -72,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gemm", type=int, default=8192, help="size of the GEMM context (n x n x n, bf16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU configuration (executor plans)")
+    parser.add_argument("--from-records", type=Path, nargs="+", default=None, metavar="RECORDS",
+                        help="offline: profile records (and held-out records to compare with), no timing")
     return parser.parse_args(argv)
 
 
@@ -231,8 +238,54 @@ def markdown(summaries: list[dict], clocks: list[str], args: argparse.Namespace)
     return "\n".join(lines)
 
 
+def records_ratios(path: Path) -> dict[tuple[str, str, str], list[float]]:
+    """log(best 64-row-tile ms / best 128-row-tile ms) per (family, source, batch) of a records
+    file; batch "all" where the case timed every eligible plan, "contenders" where it was pruned."""
+    cases, latencies = {}, {}
+    for record in read_records([path]):
+        if record.get("type") == "case":
+            cases[record["case"]] = record
+        elif record.get("type") == "plan" and record.get("status") == "ok":
+            latencies.setdefault(record["case"], {})[record["plan"]] = float(record["latency_ms"])
+    out: dict[tuple[str, str, str], list[float]] = {}
+    for name, record in cases.items():
+        best: dict[int, float] = {}
+        for plan, ms in latencies.get(name, {}).items():
+            rows = tile_rows(plan)
+            best[rows] = min(best.get(rows, math.inf), ms)
+        if 64 in best and 128 in best:
+            batch = "contenders" if record.get("pruned") else "all"
+            out.setdefault((record["family"], record["source"], batch), []).append(math.log(best[64] / best[128]))
+    return out
+
+
+def from_records(paths: list[Path]) -> str:
+    """The offline report of ``--from-records``."""
+    first = records_ratios(paths[0])
+    second = records_ratios(paths[1]) if len(paths) > 1 else {}
+    one, two = paths[0].parent.name, paths[-1].parent.name
+    pairs = [("contenders", first, "all", first, f"contenders only vs all plans, both {one}")]
+    if second:
+        pairs += [("contenders", first, "all", second, f"{one} contenders only vs {two} all plans"),
+                  ("all", first, "all", second, f"{one} all plans vs {two} all plans")]
+    lines = ["| cases compared | family/source pairs | median ratio of ratios | range |", "|---|---|---|---|"]
+    for batch_a, a, batch_b, b, label in pairs:
+        logs = [statistics.mean(a[(f, src, batch_a)]) - statistics.mean(b[(f, src, batch_b)])
+                for f, src, batch in a if batch == batch_a and (f, src, batch_b) in b]
+        if logs:
+            lines.append(f"| {label} | {len(logs)} | {math.exp(statistics.median(logs)):.3f} | "
+                         f"{math.exp(min(logs)):.3f}-{math.exp(max(logs)):.3f} |")
+    return "\n".join(["# Best 64-row tile over best 128-row tile, by the batch a case was timed in", "", *lines, ""])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_records:
+        args.out.mkdir(parents=True, exist_ok=True)
+        text = from_records(args.from_records)
+        (args.out / "batch_context_from_records.md").write_text(text)
+        print(text)
+        return 0
     config = config_of(args)
     rng = random.Random(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,25 @@ def test_batch_context_smoke(tmp_path):
     assert module.tile_rows("coarsened-packed_q128k64_from_q16k16_d128_bf16_sm90a_hopper_s2w8_lpt") == 128
 
 
+def test_batch_context_from_records_compares_pruned_and_full_batches(tmp_path):
+    """Offline mode: per (family, source) the 64-row over 128-row tile ratio of cases timed with
+    their contenders only against cases timed with all plans (here 1.0 against 1.1)."""
+    small, tall = "direct_q64k64_from_q64k64_d128_bf16_sm90a_hopper_s2w4_lpt", \
+        "coarsened-packed_q128k128_from_q64k64_d128_bf16_sm90a_hopper_s2w8_lpt"
+    lines = []
+    for i, (pruned, ratio) in enumerate([(0, 1.1), (0, 1.1), (12, 1.0), (12, 1.0)]):
+        case = f"n32k:Q64K64/sliding_tile/s{i}"
+        lines += [{"type": "plan", "case": case, "plan": small, "status": "ok", "latency_ms": 2.0 * ratio},
+                  {"type": "plan", "case": case, "plan": tall, "status": "ok", "latency_ms": 2.0},
+                  {"type": "case", "case": case, "family": "Q64K64", "source": "sliding_tile", "pruned": pruned}]
+    records = tmp_path / "run" / "profile.jsonl"
+    records.parent.mkdir()
+    records.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    assert load("batch_context").main(["--out", str(tmp_path), "--from-records", str(records)]) == 0
+    text = (tmp_path / "batch_context_from_records.md").read_text()
+    assert "| contenders only vs all plans, both run | 1 | 0.909 | 0.909-0.909 |" in text
+
+
 def test_ptxas_report_reads_both_schedules_and_spills(tmp_path):
     """benchmarks/ptxas_report.py on a log in ptxas's format: one row per Hopper attention kernel
     (static and dynamic schedule), spills and static shared memory read, other kernels ignored."""
