@@ -16,6 +16,8 @@
 #   profile    tessera profile (PROFILE_MINUTES, PROFILE_ARGS); records and table under $OUT/profile
 #   ablation   benchmarks/ablation.py (ABLATION_ARGS, ABLATION_TIMEOUT): A0 / A1 / A2
 #   cp         torchrun benchmarks/cp_scaling.py on CP_NPROC GPUs (default: all), CP_ARGS, CP_TAG; needs 2+ GPUs
+#   context    benchmarks/batch_context.py (CONTEXT_ARGS, CONTEXT_TIMEOUT): plan times alone, among all
+#              plans, after a GEMM per launch; clocks per context
 # Logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/tessera_out}
@@ -90,6 +92,10 @@ for STEP in "${@:-tests}"; do
       timeout ${CP_TIMEOUT:-420} torchrun --standalone --nproc-per-node $NPROC benchmarks/cp_scaling.py --out "$OUT/$CTAG" \
         ${CP_ARGS:-} 2>&1 | tee "$OUT/$CTAG.log" | grep -v "^W1" | tail -30
       pack $CTAG ;;
+    context)
+      timeout ${CONTEXT_TIMEOUT:-300} python3 benchmarks/batch_context.py --out "$OUT/context" ${CONTEXT_ARGS:-} \
+        2>&1 | tee "$OUT/context.log" | tail -30
+      pack context ;;
     demo)
       timeout ${DEMO_TIMEOUT:-120} tessera demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v "it/s" | tail -8 ;;
     *) echo "unknown step $STEP" ;;
