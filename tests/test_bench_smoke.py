@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from tessera_diffusers import LogicalMask, reference
 from tessera_diffusers.bench import cli
 from tessera_diffusers.bench.backends import FlexAttentionBackend, OracleBackend, flex_kernel_options, kv_block_lists
 from tessera_diffusers.bench.config import BenchConfig
@@ -103,23 +104,40 @@ class Flaky(OracleBackend):
         return out + 1.0 if self.wrong else out
 
 
+class DenseFake(OracleBackend):
+    """Full attention (every block active) on the oracle: a dense baseline the CPU can run."""
+
+    kind = "dense"
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def run(self, prepared, inputs):
+        q, k, v = inputs
+        full = LogicalMask.dense(prepared.seq_q, prepared.seq_kv, 128, 128)
+        return reference.attention(q, k, v, full, prepared.scale)
+
+
 def test_interleaved_bench_makes_room_when_out_of_memory(tmp_path) -> None:
     """Out of memory while others are held: they are timed as a batch and freed, then the backend is
-    validated again; an invalid output is recorded and never timed."""
+    validated again; an invalid output is recorded and never timed. A dense baseline is checked
+    against full attention and timed with the case's other backends (not shared across cases)."""
     problem = small_problem()
     config = BenchConfig(out_dir=tmp_path, device="cpu", warmup=1, reps=2, input_sets=2, request_reps=1,
                          interleave=True, progress=False)
     state = RunState(config, torch.device("cpu"), [], {}, [], set(), {}, tmp_path / "records.jsonl", lambda _: None)
     inputs = make_inputs(problem, 2, 0)
     oracle = OracleCheck(problem, inputs[0], check_heads(problem.heads, 2), None)
-    backends = [Flaky("a"), Flaky("b"), Flaky("c", oom_once=True), Flaky("d", wrong=True), Flaky("e")]
+    backends = [Flaky("a"), Flaky("b"), Flaky("c", oom_once=True), Flaky("d", wrong=True), Flaky("e"),
+                DenseFake("f")]
     interleaved_case(state, problem, backends, inputs, oracle, None)
     by_name = {r["backend"]: r for r in state.records}
-    assert sorted(by_name) == ["a", "b", "c", "d", "e"]
+    assert sorted(by_name) == ["a", "b", "c", "d", "e", "f"]
     assert by_name["a"]["timed_with"] == by_name["b"]["timed_with"] == ["a", "b"]
-    assert by_name["c"]["timed_with"] == by_name["e"]["timed_with"] == ["c", "e"]
+    assert by_name["c"]["timed_with"] == by_name["e"]["timed_with"] == by_name["f"]["timed_with"] == ["c", "e", "f"]
     assert by_name["d"]["status"] == "invalid" and "timed_with" not in by_name["d"]
-    assert all(by_name[n]["status"] == "ok" for n in "abce")
+    # "ok" for f means its full attention passed the dense oracle (the masked one would refuse it)
+    assert all(by_name[n]["status"] == "ok" for n in "abcef") and by_name["f"]["kind"] == "dense"
 
 
 def test_flex_block_mask_is_the_logical_mask() -> None:
