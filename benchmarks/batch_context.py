@@ -51,7 +51,7 @@ import torch
 
 from tessera_diffusers.bench.problem import OracleCheck, check_heads, make_inputs
 from tessera_diffusers.bench.tessera_backends import request_of
-from tessera_diffusers.bench.timing import INTERLEAVED_WARM_LAUNCHES, time_interleaved
+from tessera_diffusers.bench.timing import INTERLEAVED_WARM_LAUNCHES, gemm_context, time_interleaved
 from tessera_diffusers.cost_model import estimate_ms
 from tessera_diffusers.mask_state import build_mask_state
 from tessera_diffusers.plan_table import tile_group
@@ -124,15 +124,6 @@ class ClockSampler:
         return rows
 
 
-def heater(n: int, device: torch.device):
-    """A dense bf16 ``n x n x n`` GEMM to launch between kernels (fp32 on the CPU, smaller)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    return lambda: torch.mm(a, b, out=out)
-
-
 def time_case(size: str, case, config: ProfileConfig, args: argparse.Namespace, rng: random.Random,
               sampler: ClockSampler) -> dict:
     device = torch.device(config.device)
@@ -157,7 +148,7 @@ def time_case(size: str, case, config: ProfileConfig, args: argparse.Namespace, 
             groups.setdefault(tile_group(plan), plan.name)
     targets = list(groups.values())[: args.targets]
     others = [name for name in runs if name not in targets]
-    gemm = heater(args.gemm if device.type == "cuda" else 64, device)
+    gemm = gemm_context(args.gemm if device.type == "cuda" else 64, device)
     times: dict[str, dict[str, list[float]]] = {c: {t: [] for t in targets} for c in CONTEXTS}
     contexts = [c for c in CONTEXTS for _ in range(args.repeats)]
     rng.shuffle(contexts)

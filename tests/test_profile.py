@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tessera_diffusers import build_mask_state
-from tessera_diffusers.bench.timing import Timing
+from tessera_diffusers.bench.timing import INTERLEAVED_WARM_LAUNCHES, Timing
 from tessera_diffusers.corpus import CaseSpec
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.plan_table import load_plan_table, tile_group
@@ -21,7 +21,7 @@ from tessera_diffusers.profile import cli
 from tessera_diffusers.profile import runner as runner_module
 from tessera_diffusers.profile.compile import compile_table, load_profile
 from tessera_diffusers.profile.config import ProfileConfig, smoke_config
-from tessera_diffusers.profile.records import RECORDS_FILE, read_records
+from tessera_diffusers.profile.records import RECORDS_FILE, read_records, timing_method
 from tessera_diffusers.profile.runner import KernelTimer, Measured, Trial, run_profile
 from tessera_diffusers.selector import Selector
 
@@ -184,6 +184,37 @@ def test_resuming_with_another_timing_method_is_flagged(tmp_path):
     methods = {r.get("interleaved", False) for r in records(tmp_path) if r.get("status") == "ok"}
     assert methods == {False, True}
     assert any("mix timing methods" in note for note in load_profile([tmp_path / RECORDS_FILE]).notes)
+
+
+def test_profile_in_a_gemm_context(tmp_path, monkeypatch):
+    """--context-gemm: a GEMM launched before every timed plan (warm-ups included), outside its timed
+    span; the records say so, their timing method is its own, and resuming a records file of
+    plain interleaved timings with it is flagged. Sequential timing refuses a context."""
+    launches = []
+    real = runner_module.gemm_context
+
+    def counting(size, device):
+        gemm = real(size, device)
+        return lambda: launches.append(gemm())
+
+    monkeypatch.setattr(runner_module, "gemm_context", counting)
+    plain = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), max_cases=1, progress=False)
+    run_profile(plain, log=lambda m: None)
+    assert not launches
+    logs: list[str] = []
+    in_context = ProfileConfig(**{**plain.__dict__, "context_gemm": 32, "max_cases": 2,
+                                  "sources": ("sliding_tile", "temporal_heads")})
+    assert in_context.timing_method == "interleaved+gemm32"
+    run_profile(in_context, log=logs.append)
+    assert any("interleaved timings and this run times interleaved+gemm32" in line for line in logs)
+    timed = [r for r in records(tmp_path) if r.get("status") == "ok"]
+    second = [r for r in timed if "temporal_heads" in r["case"]]
+    assert second and all(r["context"] == "gemm32" and timing_method(r) == "interleaved+gemm32" for r in second)
+    assert all("context" not in r for r in timed if r not in second)
+    rounds = max(plain.warmup, -(-INTERLEAVED_WARM_LAUNCHES // len(second)))
+    assert len(launches) == len(second) * (rounds + plain.reps)  # one per launch of a timed plan
+    with pytest.raises(InvalidArgumentError, match="context_gemm"):
+        ProfileConfig(out_dir=".", interleave=False, context_gemm=64)
 
 
 def test_profile_config_lists_cases_rank_major():

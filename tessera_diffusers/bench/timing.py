@@ -169,6 +169,20 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
     return [Timing(tuple(float(s.elapsed_time(e)) for s, e in pairs), "cuda_events") for pairs in events]
 
 
+def gemm_context(size: int, device: torch.device) -> Callable[[], object]:
+    """A dense ``size x size x size`` GEMM (bf16 on CUDA, fp32 elsewhere) on preallocated operands,
+    to launch between timed kernels (``time_interleaved(between=...)``): the projections that run
+    between the attention calls of a model, which set the clock and the L2 contents a kernel meets."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise InvalidArgumentError("size", "a positive int (the GEMM's n)", repr(size))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, generator=gen, device=device).to(dtype)
+    b = torch.randn(size, size, generator=gen, device=device).to(dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)  # [n, n]
+    return lambda: torch.mm(a, b, out=out)
+
+
 def time_request(request: Callable[[int], object], n_sets: int, warmup: int, reps: int, device: torch.device) -> Timing:
     """Median host latency of a complete request ``request(set_index)``, synchronized at both ends."""
     check_counts(warmup, reps)

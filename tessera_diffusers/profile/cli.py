@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "later cases are then timed in smaller batches, which moved relative plan times by up to "
                              "9%% on the H200 (benchmarks/batch_context.py)")
     parser.add_argument("--contender-regret", type=float, default=1.2)
+    parser.add_argument("--context-gemm", type=int, default=0, metavar="N",
+                        help="launch a dense bf16 N x N x N GEMM before every timed plan (a model's projections "
+                             "between attention calls), so every plan meets the same clock and L2 state whatever "
+                             "else is in its batch; records note it. 0: off")
     parser.add_argument("--sequential", action="store_true",
                         help="time each plan right after its own validation (the method of records before "
                              "2026-11-30; --abandon-factor applies) instead of validating a case's plans first and "
@@ -96,8 +100,8 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
             input_sets=args.input_sets, validate_heads=args.validate_heads, atol=args.atol,
             abandon_factor=args.abandon_factor, minutes=args.minutes, plan_filter=args.plan_filter,
             contenders_after=args.contenders_after, contender_regret=args.contender_regret,
-            interleave=not args.sequential, device=args.device, seed=args.seed, split=args.split, resume=not args.fresh,
-            progress=not args.no_progress)
+            interleave=not args.sequential, context_gemm=args.context_gemm, device=args.device, seed=args.seed,
+            split=args.split, resume=not args.fresh, progress=not args.no_progress)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return ProfileConfig(
         out_dir=args.out,
@@ -119,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
         contenders_after=args.contenders_after,
         contender_regret=args.contender_regret,
         interleave=not args.sequential,
+        context_gemm=args.context_gemm,
         minutes=args.minutes,
         plan_filter=args.plan_filter,
         device=device,

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..bench.config import ALL_FAMILIES, SIZE_PROFILES
 from ..corpus import CaseSpec, family_named, split_seeds
 from ..errors import InvalidArgumentError
+from .records import method_name
 
 SPLIT = "profiling"  # what tables are built from: the evaluation split judges them on cases they have not seen
 SPLITS = ("profiling", "evaluation")
@@ -58,6 +59,11 @@ class ProfileConfig:
     # (benchmarks/results/h200_timing_spread): one run's fastest plan was 1.013-1.017x the
     # fastest of a repeat run on 20 cases, against 1.000-1.003x with interleaving.
     interleave: bool = True
+    # With interleave: a dense bf16 context_gemm^3 GEMM launched before every timed kernel, outside
+    # its timed span (bench.timing.gemm_context), so that every plan meets the clock and L2 state of a
+    # model's forward pass whatever else shares its batch. 0: off. Records note it (their
+    # timing_method), and times taken in different contexts are not compared.
+    context_gemm: int = 0
     minutes: float | None = None  # time budget of the measuring loop (None: no limit)
     plan_filter: str | None = None  # regular expression over plan names
     device: str = "cuda"
@@ -80,11 +86,15 @@ class ProfileConfig:
         for name, value, least in (("warmup", self.warmup, 0), ("reps", self.reps, 1),
                                    ("input_sets", self.input_sets, 1), ("cases_per_combo", self.cases_per_combo, 1),
                                    ("batch", self.batch, 1), ("validate_heads", self.validate_heads, 1),
-                                   ("contenders_after", self.contenders_after, 0)):
+                                   ("contenders_after", self.contenders_after, 0),
+                                   ("context_gemm", self.context_gemm, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidArgumentError(name, f"an int >= {least}", repr(value))
         if self.max_cases is not None and self.max_cases < 0:
             raise InvalidArgumentError("max_cases", "a non-negative int or None", repr(self.max_cases))
+        if self.context_gemm and not self.interleave:
+            raise InvalidArgumentError("context_gemm", "0 with sequential timing (a context is for interleaved timing)",
+                                       repr(self.context_gemm))
         if self.minutes is not None and self.minutes < 0:
             raise InvalidArgumentError("minutes", "a non-negative number or None", repr(self.minutes))
         if self.contender_regret < 1:
@@ -96,6 +106,11 @@ class ProfileConfig:
                 re.compile(self.plan_filter)
             except re.error as err:
                 raise InvalidArgumentError("plan_filter", "a regular expression", f"{self.plan_filter!r} ({err})") from err
+
+    @property
+    def timing_method(self) -> str:
+        """What ``records.timing_method`` says of this run's timed records."""
+        return method_name(self.interleave, f"gemm{self.context_gemm}" if self.context_gemm else None)
 
     def cases(self) -> list[tuple[str, CaseSpec]]:
         """``(size, case)`` pairs of the split: seed rank major, then size, family, source."""

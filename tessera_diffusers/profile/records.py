@@ -114,11 +114,18 @@ def load_progress(path: Path) -> Progress:
     return progress
 
 
+def method_name(interleaved: bool, context: str | None) -> str:
+    """"interleaved" or "sequential", with "+<context>" when plans were timed in one."""
+    base = "interleaved" if interleaved else "sequential"
+    return f"{base}+{context}" if context else base
+
+
 def timing_method(record: dict) -> str:
     """How a timed plan record was measured: "interleaved" (a case's plans in turn, the GPU kept
     busy) or "sequential" (each plan right after its own validation, the only method before
-    2026-11-30). Their times are not comparable: see ``ProfileConfig.interleave``."""
-    return "interleaved" if record.get("interleaved") else "sequential"
+    2026-11-30), with "+gemm<n>" where a GEMM ran before every timed launch
+    (``ProfileConfig.context_gemm``). Times of different methods are not comparable."""
+    return method_name(bool(record.get("interleaved")), record.get("context"))
 
 
 def append_record(path: Path, record: dict) -> None:

@@ -38,6 +38,7 @@ from ..bench.timing import (
     INTERLEAVED_ROUND_ORDER,
     INTERLEAVED_WARM_LAUNCHES,
     Timing,
+    gemm_context,
     synchronize,
     time_interleaved,
     time_kernel,
@@ -239,7 +240,7 @@ def failed_record(key: str, plan: PhysicalPlan, err: BaseException) -> tuple[dic
 
 def interleaved_case(key: str, plans: Sequence[PhysicalPlan], problem: Problem, state: MaskState, inputs: list,
                      oracle: OracleCheck, config: ProfileConfig, out_of_time: Callable[[], bool],
-                     finish: Callable[..., str | None]) -> str | None:
+                     finish: Callable[..., str | None], between: Callable[[], object] | None = None) -> str | None:
     """Interleaved timing (the default): validate every plan of the case, then time the valid ones
     in turn in one busy stretch of the GPU (``bench.timing.time_interleaved``), at least
     ``INTERLEAVED_WARM_LAUNCHES`` warm-up launches first. No plan is abandoned. The validated plans
@@ -256,7 +257,7 @@ def interleaved_case(key: str, plans: Sequence[PhysicalPlan], problem: Problem, 
                 fatal = None
             except torch.OutOfMemoryError as err:
                 if valid:  # make room: time what is validated, then try this plan again
-                    stopped = time_batch(key, valid, len(inputs), config, problem.device, finish)
+                    stopped = time_batch(key, valid, len(inputs), config, problem.device, finish, between)
                     valid = []
                     if problem.device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -273,18 +274,19 @@ def interleaved_case(key: str, plans: Sequence[PhysicalPlan], problem: Problem, 
                 return stopped
         else:
             valid.append((plan, record, run))
-    return time_batch(key, valid, len(inputs), config, problem.device, finish)
+    return time_batch(key, valid, len(inputs), config, problem.device, finish, between)
 
 
 def time_batch(key: str, valid: list, n_sets: int, config: ProfileConfig, device: torch.device,
-               finish: Callable[..., str | None]) -> str | None:
-    """Time validated ``(plan, record, run)`` triples in turn and record them; a failure of the
-    batch is every plan's record. Returns why the run must stop, or None."""
+               finish: Callable[..., str | None], between: Callable[[], object] | None = None) -> str | None:
+    """Time validated ``(plan, record, run)`` triples in turn (``between()`` before every launch:
+    the run's context GEMM) and record them; a failure of the batch is every plan's record.
+    Returns why the run must stop, or None."""
     if not valid:
         return None
     rounds = max(config.warmup, math.ceil(INTERLEAVED_WARM_LAUNCHES / len(valid)))
     try:
-        timings = time_interleaved([run for *_, run in valid], n_sets, rounds, config.reps, device)
+        timings = time_interleaved([run for *_, run in valid], n_sets, rounds, config.reps, device, between)
     except Exception as err:  # noqa: BLE001  (the batch fails as one: each plan gets the record)
         for plan, *_ in valid:
             record, fatal = failed_record(key, plan, err)
@@ -292,18 +294,22 @@ def time_batch(key: str, valid: list, n_sets: int, config: ProfileConfig, device
             if stopped is not None:
                 return stopped
         return None
+    context = f"gemm{config.context_gemm}" if config.context_gemm else None
     for (plan, record, _), timing in zip(valid, timings):
-        finish(key, plan, timed_record(record, timing, interleaved=True))
+        finish(key, plan, timed_record(record, timing, interleaved=True, context=context))
     return None
 
 
-def timed_record(record: dict, timing: Timing, abandoned: bool = False, interleaved: bool = False) -> dict:
+def timed_record(record: dict, timing: Timing, abandoned: bool = False, interleaved: bool = False,
+                 context: str | None = None) -> dict:
     """A validated plan's record completed with its timing (median, samples, timer, how it was timed)."""
     out = {**record, "status": "ok", "latency_ms": timing.median_ms, "samples_ms": list(timing.samples_ms),
            "timer": timing.timer, "abandoned": abandoned}
     if interleaved:
         out["interleaved"] = True
         out["round_order"] = INTERLEAVED_ROUND_ORDER
+    if context:
+        out["context"] = context
     return out
 
 
@@ -336,7 +342,7 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
     progress = load_progress(path) if config.resume else Progress()
     if progress.bad_lines:
         log(f"{path}: skipped {progress.bad_lines} unreadable line(s) (a run cut short mid-write)")
-    method = "interleaved" if config.interleave else "sequential"
+    method = config.timing_method
     if progress.methods - {method}:
         log(f"{path} holds {'/'.join(sorted(progress.methods - {method}))} timings and this run times {method}: "
             "their times are not comparable, profile into a new --out (or pass --fresh, or match the method)")
@@ -348,6 +354,7 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
             "done; after rebuilding the kernels profile into a new --out (or pass --fresh)")
     append_record(path, {"type": "catalog", **catalog, "kernels": [kernel_to_dict(k) for k in kernels]})
     measure = measure or KernelTimer(config.warmup, config.reps, config.abandon_factor)
+    context = gemm_context(config.context_gemm, device) if config.context_gemm else None  # one for the run
     cases = config.cases()
     bars = Bars(len(cases), config.progress, log)
     stopped, new_cases, new_plans = None, 0, 0
@@ -405,7 +412,8 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
             inputs = make_inputs(problem, config.input_sets, config.seed)
             oracle = OracleCheck(problem, inputs[0], check_heads(problem.heads, config.validate_heads), config.atol)
             if config.interleave:
-                stopped = interleaved_case(key, todo, problem, state, inputs, oracle, config, out_of_time, finish)
+                stopped = interleaved_case(key, todo, problem, state, inputs, oracle, config, out_of_time, finish,
+                                           context)
             else:
                 for plan in todo:
                     if out_of_time():
