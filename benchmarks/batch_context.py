@@ -229,9 +229,30 @@ def markdown(summaries: list[dict], clocks: list[str], args: argparse.Namespace)
     return "\n".join(lines)
 
 
-def records_ratios(path: Path) -> dict[tuple[str, str, str], list[float]]:
-    """log(best 64-row-tile ms / best 128-row-tile ms) per (family, source, batch) of a records
-    file; batch "all" where the case timed every eligible plan, "contenders" where it was pruned."""
+def tile_ratio(latencies: dict[str, float]) -> float | None:
+    """log(best 64-row-tile ms / best 128-row-tile ms) of one case, or None without both."""
+    best: dict[int | None, float] = {}
+    for plan, ms in latencies.items():
+        rows = tile_rows(plan)
+        best[rows] = min(best.get(rows, math.inf), ms)
+    return math.log(best[64] / best[128]) if 64 in best and 128 in best else None
+
+
+def persistent_ratio(latencies: dict[str, float]) -> float | None:
+    """Mean log(persistent-grid ms / one-CTA-per-task ms) over the builds of one case timed both ways
+    (``..._lpt-persistent`` against ``..._lpt``), or None without such a pair."""
+    logs = [math.log(ms / latencies[plan[: -len("-persistent")]]) for plan, ms in latencies.items()
+            if plan.endswith("_lpt-persistent") and plan[: -len("-persistent")] in latencies]
+    return statistics.mean(logs) if logs else None
+
+
+MEASURES = {"best 64-row tile over best 128-row tile": tile_ratio,
+            "persistent grid over one CTA per task, the same build": persistent_ratio}
+
+
+def records_ratios(path: Path, measure) -> dict[tuple[str, str, str], list[float]]:
+    """``measure(latencies)`` per (family, source, batch) of a records file; batch "all" where the
+    case timed every eligible plan, "contenders" where it was pruned (``--contenders-after``)."""
     cases, latencies = {}, {}
     for record in read_records([path]):
         if record.get("type") == "case":
@@ -240,33 +261,35 @@ def records_ratios(path: Path) -> dict[tuple[str, str, str], list[float]]:
             latencies.setdefault(record["case"], {})[record["plan"]] = float(record["latency_ms"])
     out: dict[tuple[str, str, str], list[float]] = {}
     for name, record in cases.items():
-        best: dict[int, float] = {}
-        for plan, ms in latencies.get(name, {}).items():
-            rows = tile_rows(plan)
-            best[rows] = min(best.get(rows, math.inf), ms)
-        if 64 in best and 128 in best:
+        value = measure(latencies.get(name, {}))
+        if value is not None:
             batch = "contenders" if record.get("pruned") else "all"
-            out.setdefault((record["family"], record["source"], batch), []).append(math.log(best[64] / best[128]))
+            out.setdefault((record["family"], record["source"], batch), []).append(value)
     return out
 
 
 def from_records(paths: list[Path]) -> str:
-    """The offline report of ``--from-records``."""
-    first = records_ratios(paths[0])
-    second = records_ratios(paths[1]) if len(paths) > 1 else {}
+    """The offline report of ``--from-records``: per measure, the median over (family, source) of
+    its ratio between the batches."""
     one, two = paths[0].parent.name, paths[-1].parent.name
-    pairs = [("contenders", first, "all", first, f"contenders only vs all plans, both {one}")]
-    if second:
-        pairs += [("contenders", first, "all", second, f"{one} contenders only vs {two} all plans"),
-                  ("all", first, "all", second, f"{one} all plans vs {two} all plans")]
-    lines = ["| cases compared | family/source pairs | median ratio of ratios | range |", "|---|---|---|---|"]
-    for batch_a, a, batch_b, b, label in pairs:
-        logs = [statistics.mean(a[(f, src, batch_a)]) - statistics.mean(b[(f, src, batch_b)])
-                for f, src, batch in a if batch == batch_a and (f, src, batch_b) in b]
-        if logs:
-            lines.append(f"| {label} | {len(logs)} | {math.exp(statistics.median(logs)):.3f} | "
-                         f"{math.exp(min(logs)):.3f}-{math.exp(max(logs)):.3f} |")
-    return "\n".join(["# Best 64-row tile over best 128-row tile, by the batch a case was timed in", "", *lines, ""])
+    lines = ["# Relative plan times by the batch a case was timed in", ""]
+    for title, measure in MEASURES.items():
+        first = records_ratios(paths[0], measure)
+        second = records_ratios(paths[1], measure) if len(paths) > 1 else {}
+        pairs = [("contenders", first, "all", first, f"contenders only vs all plans, both {one}")]
+        if second:
+            pairs += [("contenders", first, "all", second, f"{one} contenders only vs {two} all plans"),
+                      ("all", first, "all", second, f"{one} all plans vs {two} all plans")]
+        lines += [f"## {title}", "", "| cases compared | family/source pairs | median ratio of ratios | range |",
+                  "|---|---|---|---|"]
+        for batch_a, a, batch_b, b, label in pairs:
+            logs = [statistics.mean(a[(f, src, batch_a)]) - statistics.mean(b[(f, src, batch_b)])
+                    for f, src, batch in a if batch == batch_a and (f, src, batch_b) in b]
+            if logs:
+                lines.append(f"| {label} | {len(logs)} | {math.exp(statistics.median(logs)):.3f} | "
+                             f"{math.exp(min(logs)):.3f}-{math.exp(max(logs)):.3f} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

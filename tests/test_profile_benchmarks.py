@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -124,9 +125,13 @@ def test_batch_context_from_records_compares_pruned_and_full_batches(tmp_path):
     records = tmp_path / "run" / "profile.jsonl"
     records.parent.mkdir()
     records.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
-    assert load("batch_context").main(["--out", str(tmp_path), "--from-records", str(records)]) == 0
+    module = load("batch_context")
+    assert module.main(["--out", str(tmp_path), "--from-records", str(records)]) == 0
     text = (tmp_path / "batch_context_from_records.md").read_text()
     assert "| contenders only vs all plans, both run | 1 | 0.909 | 0.909-0.909 |" in text
+    persistent = {small: 1.0, small + "-persistent": 0.9, tall: 2.0}
+    assert abs(module.persistent_ratio(persistent) - math.log(0.9)) < 1e-12
+    assert module.persistent_ratio({small: 1.0}) is None and module.tile_ratio({small: 1.0}) is None
 
 
 def test_ptxas_report_reads_both_schedules_and_spills(tmp_path):
