@@ -107,7 +107,7 @@ class RequestEntry:
     by_regime: dict = field(default_factory=dict)  # regime index -> Selection (or EVERY_PLAN_REJECTED)
     last_regime: int | None = None  # the regime the previous request of this entry fell in
     cost_model_choice: Selection | None = None  # the previous cost-model decision (for reuse_regime)
-    arbitrated: dict = field(default_factory=dict)  # regime index -> the last mixed-regime decision
+    arbitrated: dict = field(default_factory=dict)  # regime index -> the last decision of its cost model or plan rule
     scheduled: dict = field(default_factory=dict)  # (regime index, id of the plan before the rule) -> the last rule decision
     rules: dict = field(default_factory=dict)  # (regime index, id of the plan before the rule) -> its schedule rule or None
     contenders: dict = field(default_factory=dict)  # regime index -> its eligible contenders, names, estimator

@@ -354,10 +354,10 @@ def test_loader_refuses_bad_choices(plan_rule_table, edit, message):
 
 
 def test_schedule_rule_is_fitted_where_its_tile_contends():
-    """A mixed regime: the other tile is 30% faster where row_overlap > 0.5. Where this tile contends
-    the persistent grid wins on short runs, elsewhere on long ones (an XOR of two statistics): over
-    all 160 cases (one regime: 100 a leaf) no one threshold generalizes; over the cases where the tile
-    contends one does."""
+    """A regime whose cases disagree on the tile: the other tile is 30% faster where row_overlap >
+    0.5. Where this tile contends the persistent grid wins on short runs, elsewhere on long ones (an
+    XOR of two statistics): over all 160 cases (one regime: 100 a leaf) no one threshold
+    generalizes; over the cases where the tile contends one does."""
 
     def latency(plan, request, stats, rng):
         noise = 1.0 + 0.005 * rng.gauss(0.0, 1.0)
