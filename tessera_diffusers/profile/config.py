@@ -108,9 +108,14 @@ class ProfileConfig:
                 raise InvalidArgumentError("plan_filter", "a regular expression", f"{self.plan_filter!r} ({err})") from err
 
     @property
+    def context(self) -> str | None:
+        """The timing context its records note ("gemm<n>"), or None."""
+        return f"gemm{self.context_gemm}" if self.context_gemm else None
+
+    @property
     def timing_method(self) -> str:
         """What ``records.timing_method`` says of this run's timed records."""
-        return method_name(self.interleave, f"gemm{self.context_gemm}" if self.context_gemm else None)
+        return method_name(self.interleave, self.context)
 
     def cases(self) -> list[tuple[str, CaseSpec]]:
         """``(size, case)`` pairs of the split: seed rank major, then size, family, source."""

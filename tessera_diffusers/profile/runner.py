@@ -296,9 +296,8 @@ def time_batch(key: str, valid: list, n_sets: int, config: ProfileConfig, device
             if stopped is not None:
                 return stopped
         return None
-    context = f"gemm{config.context_gemm}" if config.context_gemm else None
     for (plan, record, _), timing in zip(valid, timings):
-        finish(key, plan, timed_record(record, timing, interleaved=True, context=context))
+        finish(key, plan, timed_record(record, timing, interleaved=True, context=config.context))
     return None
 
 
