@@ -55,7 +55,7 @@ from tessera_diffusers.bench.timing import INTERLEAVED_WARM_LAUNCHES, gemm_conte
 from tessera_diffusers.cost_model import estimate_ms
 from tessera_diffusers.mask_state import build_mask_state
 from tessera_diffusers.plan_table import tile_group
-from tessera_diffusers.profile.config import ProfileConfig, smoke_config
+from tessera_diffusers.profile.config import ProfileConfig, add_case_arguments, study_config
 from tessera_diffusers.profile.records import read_records
 from tessera_diffusers.profile.runner import build_problem, case_plans, profiling_kernels, validate_plan
 
@@ -66,31 +66,14 @@ INPUT_SETS = 3
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="directory of batch_context.json and .md")
-    parser.add_argument("--families", default="Q16K16,Q32K32,Q64K32,Q64K64")
-    parser.add_argument("--sources", default=None, help="comma list of corpus sources (default: all)")
-    parser.add_argument("--split", default="evaluation", choices=("profiling", "evaluation"))
-    parser.add_argument("--cases", type=int, default=8, help="cases in all, the split's order")
-    parser.add_argument("--plan-filter", default=None, help="regular expression over plan names")
+    add_case_arguments(parser, families="Q16K16,Q32K32,Q64K32,Q64K64", cases=8)
     parser.add_argument("--targets", type=int, default=6, help="tile groups compared per case at most")
     parser.add_argument("--repeats", type=int, default=2, help="timings of each context per case")
     parser.add_argument("--reps", type=int, default=5, help="samples per plan in one timing")
     parser.add_argument("--gemm", type=int, default=8192, help="size of the GEMM context (n x n x n, bf16)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU configuration (executor plans)")
     parser.add_argument("--from-records", type=Path, nargs="+", default=None, metavar="RECORDS",
                         help="offline: profile records (and held-out records to compare with), no timing")
     return parser.parse_args(argv)
-
-
-def config_of(args: argparse.Namespace) -> ProfileConfig:
-    sources = None if args.sources is None else tuple(args.sources.split(","))
-    common = {"split": args.split, "max_cases": args.cases, "plan_filter": args.plan_filter, "sources": sources,
-              "reps": args.reps}
-    if args.smoke:
-        return smoke_config(args.out, **common)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return ProfileConfig(out_dir=args.out, families=tuple(args.families.split(",")), device=device,
-                         cases_per_combo=max(1, args.cases), **common)
 
 
 class ClockSampler:
@@ -300,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "batch_context_from_records.md").write_text(text)
         print(text)
         return 0
-    config = config_of(args)
+    config = study_config(args, reps=args.reps)
     rng = random.Random(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     sampler = ClockSampler(args.out / "clocks.csv")

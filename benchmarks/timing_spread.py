@@ -43,7 +43,7 @@ from tessera_diffusers.bench.timing import time_kernel
 from tessera_diffusers.cost_model import estimate_ms
 from tessera_diffusers.mask_state import build_mask_state
 from tessera_diffusers.prepare import prepare
-from tessera_diffusers.profile.config import ProfileConfig, smoke_config
+from tessera_diffusers.profile.config import ProfileConfig, add_case_arguments, study_config
 from tessera_diffusers.profile.runner import build_problem, case_plans, profiling_kernels
 from tessera_diffusers.runtime import execute
 
@@ -53,33 +53,16 @@ INPUT_SETS = 3
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="directory of timing_spread.json and .md")
-    parser.add_argument("--families", default="Q64K32,Q64K64-DD,Q128K128")
-    parser.add_argument("--sources", default=None, help="comma list of corpus sources (default: all)")
-    parser.add_argument("--split", default="evaluation", choices=("profiling", "evaluation"))
-    parser.add_argument("--cases", type=int, default=3, help="cases in all, the split's order")
-    parser.add_argument("--plan-filter", default=None, help="regular expression over plan names")
+    add_case_arguments(parser, families="Q64K32,Q64K64-DD,Q128K128", cases=3)
     parser.add_argument("--plans-per-case", type=int, default=6, help="the fastest predicted eligible plans")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU configuration (executor plans)")
     args = parser.parse_args(argv)
     for name in ("cases", "plans_per_case", "rounds", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
     return args
-
-
-def config_of(args: argparse.Namespace) -> ProfileConfig:
-    sources = None if args.sources is None else tuple(args.sources.split(","))
-    common = {"split": args.split, "max_cases": args.cases, "plan_filter": args.plan_filter, "sources": sources,
-              "warmup": args.warmup, "reps": args.reps}
-    if args.smoke:
-        return smoke_config(args.out, **common)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return ProfileConfig(out_dir=args.out, families=tuple(args.families.split(",")), device=device,
-                         cases_per_combo=max(1, args.cases), **common)
 
 
 def time_case(size: str, case, config: ProfileConfig, args: argparse.Namespace, rng: random.Random) -> dict:
@@ -160,7 +143,7 @@ def markdown(summaries: list[dict], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = config_of(args)
+    config = study_config(args, warmup=args.warmup, reps=args.reps)
     rng = random.Random(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     summaries, raw = [], []

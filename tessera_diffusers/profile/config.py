@@ -6,6 +6,7 @@ Cases come out seed rank by seed rank over every (size, family, source), so any 
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,35 @@ class ProfileConfig:
                 seed = split_seeds(source, self.split, self.cases_per_combo)[rank]
                 out.append((size, CaseSpec(name, source, grid, heads, seed)))
         return out if self.max_cases is None else out[: self.max_cases]
+
+
+def add_case_arguments(parser: argparse.ArgumentParser, families: str, cases: int) -> None:
+    """The case selection of a study over profiler cases (``benchmarks/timing_spread.py``,
+    ``benchmarks/batch_context.py``): ``--families``, ``--sources``, ``--split``, ``--cases``,
+    ``--plan-filter``, ``--seed`` and ``--smoke``; ``study_config`` turns them into a config."""
+    parser.add_argument("--families", default=families)
+    parser.add_argument("--sources", default=None, help="comma list of corpus sources (default: all)")
+    parser.add_argument("--split", default="evaluation", choices=SPLITS)
+    parser.add_argument("--cases", type=int, default=cases, help="cases in all, the split's order")
+    parser.add_argument("--plan-filter", default=None, help="regular expression over plan names")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU configuration (executor plans)")
+
+
+def study_config(args: argparse.Namespace, **timing) -> ProfileConfig:
+    """The ``ProfileConfig`` of ``add_case_arguments``' selection (the first ``--cases`` cases of
+    the split; the smoke configuration with ``--smoke``) with ``timing`` (warmup, reps) and
+    ``args.out`` as its directory; CUDA when there is a device."""
+    sources = None if args.sources is None else tuple(args.sources.split(","))
+    common = {"split": args.split, "max_cases": args.cases, "plan_filter": args.plan_filter, "sources": sources,
+              **timing}
+    if args.smoke:
+        return smoke_config(args.out, **common)
+    import torch  # the config itself needs no torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return ProfileConfig(out_dir=args.out, families=tuple(args.families.split(",")), device=device,
+                         cases_per_combo=max(1, args.cases), **common)
 
 
 def smoke_config(out_dir: Path, **overrides) -> ProfileConfig:
