@@ -271,12 +271,9 @@ def plot_regret(path: Path, rows: list[dict], regrets: dict[str, list[float]], t
     cdf.set_ylabel("fraction of cases")
     cdf.legend(fontsize=7, loc="lower right")
     width = 0.8 / max(1, len(selectors))
+    by_family = family_regrets(rows, selectors)
     for i, sel_name in enumerate(selectors):
-        ys = []
-        for family in families:
-            mine = [row[sel_name][1] / row["best_ms"] for row in rows
-                    if family_of(row["case"]) == family and row[sel_name][1] is not None]
-            ys.append(gm_of(mine) - 1.0 if mine else 0.0)
+        ys = [gm_of(mine) - 1.0 if (mine := by_family.get(family, {}).get(sel_name)) else 0.0 for family in families]
         bars.bar([x + i * width for x in range(len(families))], [100 * y for y in ys], width, label=sel_name)
     bars.set_xticks([x + 0.4 - width / 2 for x in range(len(families))], families, rotation=30)
     bars.set_ylabel("GM regret per family (% over the fastest)")
@@ -306,8 +303,8 @@ def gm_of(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-def family_lines(rows: list[dict], selectors: list[str]) -> list[str]:
-    """GM regret per geometry family (the case name's first part) and selector."""
+def family_regrets(rows: list[dict], selectors: list[str]) -> dict[str, dict[str, list[float]]]:
+    """family (the case name's first part) -> selector -> the regrets of its timed choices."""
     families: dict[str, dict[str, list[float]]] = {}
     for row in rows:
         family = family_of(row["case"])
@@ -315,11 +312,17 @@ def family_lines(rows: list[dict], selectors: list[str]) -> list[str]:
             ms = row[sel_name][1]
             if ms:
                 families.setdefault(family, {}).setdefault(sel_name, []).append(ms / row["best_ms"])
+    return families
+
+
+def family_lines(rows: list[dict], selectors: list[str]) -> list[str]:
+    """GM regret per geometry family (the case name's first part) and selector."""
+    families = family_regrets(rows, selectors)
     out = ["| family | cases | " + " | ".join(f"{s} GM regret" for s in selectors) + " |",
            "|---|---|" + "---|" * len(selectors)]
     for family, by_sel in sorted(families.items()):
         n = max(len(v) for v in by_sel.values())
-        cells = [f"{math.exp(sum(map(math.log, v)) / len(v)):.4f}" if (v := by_sel.get(s)) else "-" for s in selectors]
+        cells = [f"{gm_of(v):.4f}" if (v := by_sel.get(s)) else "-" for s in selectors]
         out.append(f"| {family} | {n} | " + " | ".join(cells) + " |")
     out += ["", "GM regret split per family: the task organization within the chosen tile x the tile", "",
             "| family | " + " | ".join(selectors) + " |", "|---|" + "---|" * len(selectors)]
