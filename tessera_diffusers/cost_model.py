@@ -90,6 +90,15 @@ def coarsening_waste(block: int, tile: int, mean_run: float) -> float:
     return c * ((run + c - 1) / c) / run
 
 
+def area_is_measured(plan: PhysicalPlan) -> bool:
+    """Whether the area the model computes for ``plan`` is measured on the mask rather than estimated
+    from run lengths: the query axis by the row unions, the KV axis exact (packed, or tiles no wider
+    than a block). Only such plans are calibrated (``plan_table.Regime.calibration``): one scale per
+    plan cannot correct an estimate whose error changes with the mask's layout, as the run-length
+    estimate of KV-coarsened tiles does (0.5x on banded masks, 1x on clustered ones)."""
+    return plan.kv_layout is KvLayout.PACKED or plan.tile_kv <= plan.block_kv
+
+
 def estimate_ms(plan: PhysicalPlan, req: Request, stats: dict[str, float], rates: DeviceRates = H200) -> float:
     """Predicted kernel milliseconds of ``plan`` on ``req`` with host mask statistics ``stats``."""
     return tile_work_ms(plan, req, stats, rates) + split_merge_ms(plan, req, rates)

@@ -25,7 +25,8 @@ File format (JSON, no pickles)::
                      "tree": [{"stat": "density", "le": 0.07, "left": 1, "right": 2}, {"regime": 0}, ...],
                      "regimes": [{"rule": "density <= 0.07", "cases": n, "ranking": [[<plan>, <gm ms>], ...],
                                   "fit_regret": 1.004, "contenders": [<plan>, ...],
-                                  "choice": "ranking" | "cost_model" | "plan_rule", "plan_rule": <rule>,
+                                  "choice": "ranking" | "cost_model" | "calibrated" | "plan_rule",
+                                  "plan_rule": <rule>, "calibration": [[<plan>, <scale>], ...],
                                   "schedules": [{"stat": "density", "le": 0.075, "below": <plan>,
                                                  "above": <plan>, "cases": [n_below, n_above]}]}]}}}},
        "provenance": {...}}}
@@ -35,9 +36,11 @@ share geometry, KV layout and kernel tile (``tile_group``) and differ only in tr
 persistence or pipeline depth — by one statistic: the chosen plan of that group becomes ``below`` when the mask's statistic is ``<= le``,
 else ``above``. The compiler keeps a rule only where cross-validation says it beats one variant.
 A regime's ``choice`` says how it picks the plan those rules start from: its ranking's first eligible
-plan, the cost model's pick among its ``contenders``, or its ``plan_rule`` — a rule of the same form
-between any two plans (another tile too). The compiler chooses it by cross-validation; tables without
-the field (before 2026-11-30) derive it from ``fit_regret`` (``MIXED_REGIME_REGRET``).
+plan, the cost model's pick among its ``contenders``, the *calibrated* cost model's pick (each plan of
+``calibration`` with its estimate times the plan's scale, the geometric mean of measured over estimated
+latency on the regime's profiled cases), or its ``plan_rule`` — a rule of the same form between any
+two plans (another tile too). The compiler chooses it by cross-validation; tables without the field
+(before 2026-11-30) derive it from ``fit_regret`` (``MIXED_REGIME_REGRET``).
 
 A tree node with ``"stat"`` sends a mask whose statistic is ``<= le`` to ``left``, else to ``right``;
 node 0 is the root and children always come after their parent. The loader checks all of it (and the
@@ -70,7 +73,7 @@ SCHEMA_VERSION = 1
 # than this (GM) on its own profiled cases is *mixed* and lets the cost model choose.
 MIXED_REGIME_REGRET = 1.02
 CONTENDER_REGRET = 1.03  # a plan within this of the best on one of a regime's cases contends there
-CHOICES = ("ranking", "cost_model", "plan_rule")  # how a regime picks its plan (Regime.choice)
+CHOICES = ("ranking", "cost_model", "calibrated", "plan_rule")  # how a regime picks its plan (Regime.choice)
 # Environment variable naming a table file to use instead of the shipped one of its architecture.
 TABLE_ENV = "TESSERA_PLAN_TABLE"
 STAT_NAMES: tuple[str, ...] = tuple(s.name.lower() for s in Stat)
@@ -200,11 +203,15 @@ class Regime:
     schedules: tuple[ScheduleRule, ...] = ()  # task organization of a tile group by a statistic
     # How the regime picks its plan (``CHOICES``), chosen by the compiler's cross-validation:
     # "ranking": the first eligible ranked plan; "cost_model": the cost model's pick among the
-    # eligible ``contenders`` on this mask's statistics; "plan_rule": ``plan_rule``'s plan (any tile)
-    # by one statistic. None (tables built before 2026-11-30): "cost_model" where the ranking's first
-    # plan lost more than MIXED_REGIME_REGRET on the regime's cases and it has two contenders.
+    # eligible ``contenders`` on this mask's statistics; "calibrated": the same over the plans of
+    # ``calibration``, each estimate times its plan's scale; "plan_rule": ``plan_rule``'s plan (any
+    # tile) by one statistic. None (tables built before 2026-11-30): "cost_model" where the ranking's
+    # first plan lost more than MIXED_REGIME_REGRET on the regime's cases and it has two contenders.
     choice: str | None = None
     plan_rule: ScheduleRule | None = None
+    # (plan, scale) for choice "calibrated": the plan's measured / estimated latency (geometric mean
+    # over the regime's profiled cases), what the cost model's estimate is multiplied by.
+    calibration: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.choice is None:
@@ -215,6 +222,9 @@ class Regime:
         if (self.choice == "plan_rule") != (self.plan_rule is not None):
             raise PlanTableError(f"regime {self.index} of {self.key}: a plan rule goes with choice 'plan_rule' "
                                  f"and only with it (choice {self.choice!r}, plan rule {self.plan_rule})")
+        if (self.choice == "calibrated") != bool(self.calibration):
+            raise PlanTableError(f"regime {self.index} of {self.key}: a calibration goes with choice 'calibrated' "
+                                 f"and only with it (choice {self.choice!r}, {len(self.calibration)} calibrated plans)")
 
     @property
     def name(self) -> str:
@@ -381,6 +391,8 @@ def bucket_to_dict(bt: BucketTable) -> dict:
         regime["choice"] = r.choice
         if r.plan_rule is not None:
             regime["plan_rule"] = rule_to_dict(r.plan_rule)
+        if r.calibration:
+            regime["calibration"] = [[name, scale] for name, scale in r.calibration]
         regimes.append(regime)
     return {"cases": bt.cases, "depth": bt.depth, "tree": nodes, "regimes": regimes}
 
@@ -502,8 +514,12 @@ def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mappin
                                             same_tile=False)
         if (choice == "plan_rule") != (plan_rule is not None):
             raise fail(f"regime {index}: a plan rule goes with choice 'plan_rule' and only with it (choice {choice!r})")
+        calibration = parse_calibration(rd.get("calibration", ()), plans, lambda what, i=index: fail(f"regime {i}: {what}"))
+        if (choice == "calibrated") != bool(calibration):
+            raise fail(f"regime {index}: a calibration goes with choice 'calibrated' and only with it "
+                       f"(choice {choice!r}, {len(calibration)} calibrated plans)")
         regimes.append(Regime(key, label, index, str(rd["rule"]), int(rd["cases"]), tuple(ranking),
-                              float(fit_regret), contenders, schedules, choice, plan_rule))
+                              float(fit_regret), contenders, schedules, choice, plan_rule, calibration))
     nodes = []
     for i, nd in enumerate(bd["tree"]):
         if "regime" in nd:
@@ -549,6 +565,25 @@ def build_schedule_rule(sd: Mapping, plans: Mapping[str, PhysicalPlan], allowed_
     if len(cases) != 2 or min(cases) < 1:
         raise fail(f"cases {list(cases)} is not two positive counts")
     return ScheduleRule(stat, threshold, below, above, cases)  # type: ignore[arg-type]
+
+
+def parse_calibration(entries: Any, plans: Mapping[str, PhysicalPlan], fail) -> tuple[tuple[str, float], ...]:
+    """A regime's ``calibration``: ``[[plan, scale], ...]``, known plans, each once, positive finite scales."""
+    if not isinstance(entries, (list, tuple)):
+        raise fail(f"calibration {entries!r} is not a list of [plan, scale] pairs")
+    calibration: list[tuple[str, float]] = []
+    for entry in entries:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
+            raise fail(f"calibration entry {entry!r} is not a [plan, scale] pair")
+        name, scale = entry
+        if name not in plans:
+            raise fail(f"calibration names unknown plan {name!r}")
+        if any(name == known for known, _ in calibration):
+            raise fail(f"calibration names {name} twice")
+        if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise fail(f"calibration scale {scale!r} of {name} is not a positive number")
+        calibration.append((str(name), float(scale)))
+    return tuple(calibration)
 
 
 def check_tree(nodes: list[TreeNode], n_regimes: int, fail) -> None:

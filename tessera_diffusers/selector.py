@@ -12,10 +12,12 @@ Order of decision:
    ranking, scanned with eligibility; the first eligible plan wins. A bucket the table lacks gives
    the key's base plan. A regime's ``choice`` (made by the compiler's cross-validation) may instead
    hand the plan to its *plan rule* (one statistic picks one of two plans, of any tile) or to the
-   cost model among its contenders (plans within 3% of the best on one of its cases), on this mask's
-   statistics (one read; kept per regime with ``reuse_regime``). A regime's *schedule rule* for the
-   chosen plan's tile group then picks its task organization (persistent grid or one CTA per task,
-   split-K, traversal, pipeline depth) by one statistic (the same read), when the rule's plan is eligible.
+   cost model among its contenders (plans within 3% of the best on one of its cases), or to the
+   *calibrated* cost model (each estimate times its plan's measured / estimated latency on the
+   regime's cases), on this mask's statistics (one read; kept per regime with ``reuse_regime``). A
+   regime's *schedule rule* for the chosen plan's tile group then picks its task organization
+   (persistent grid or one CTA per task, split-K, traversal, pipeline depth) by one statistic (the
+   same read), when the rule's plan is eligible.
 2. Otherwise (no table, key not profiled, table rejected, every ranked plan ineligible) the analytic
    roofline cost model ranks every eligible catalog plan.
 3. No eligible native plan: None, the reference oracle (warned once on CUDA).
@@ -110,7 +112,7 @@ class RequestEntry:
     arbitrated: dict = field(default_factory=dict)  # regime index -> the last decision of its cost model or plan rule
     scheduled: dict = field(default_factory=dict)  # (regime index, id of the plan before the rule) -> the last rule decision
     rules: dict = field(default_factory=dict)  # (regime index, id of the plan before the rule) -> its schedule rule or None
-    contenders: dict = field(default_factory=dict)  # regime index -> its eligible contenders, names, estimator
+    contenders: dict = field(default_factory=dict)  # regime index -> regime_estimator(...)
     eligible: tuple[PhysicalPlan, ...] | None = None  # catalog plans for the cost model (lazy)
     eligible_names: tuple[str, ...] = ()
     estimator: PlanEstimator | None = None  # the cost model over ``eligible``
@@ -168,6 +170,21 @@ def eligible_contenders(plans: tuple[tuple[str, PhysicalPlan], ...], request: Re
     kept = [(name, plan) for name, plan in plans if cached_rejection(plan, request) is None]
     eligible = tuple(plan for _, plan in kept)
     return eligible, tuple(name for name, _ in kept), PlanEstimator(eligible, request)
+
+
+def regime_estimator(regime: Regime, plans: Mapping[str, PhysicalPlan], request: Request) -> tuple[
+        tuple[PhysicalPlan, ...], tuple[str, ...], PlanEstimator, tuple[float, ...] | None]:
+    """The plans a cost-model or calibrated regime chooses among that can serve ``request``, their
+    names, the cost model over them and, for a calibrated regime, each one's scale (else None)."""
+    if regime.choice == "calibrated":
+        named = tuple((name, plans[name]) for name, _ in regime.calibration)
+    else:
+        named = tuple((name, plans[name]) for name in regime.contenders)
+    eligible, names, estimator = eligible_contenders(named, request)
+    if regime.choice != "calibrated":
+        return eligible, names, estimator, None
+    scale = dict(regime.calibration)
+    return eligible, names, estimator, tuple(scale[name] for name in names)
 
 
 @dataclass
@@ -365,17 +382,23 @@ class Selector:
             return chosen
         cached = entry.contenders.get(index)
         if cached is None:  # once per (request, regime)
-            plans = tuple((name, entry.plans[name]) for name in regime.contenders)
-            cached = entry.contenders[index] = eligible_contenders(plans, request)
-        eligible, names, estimator = cached
+            cached = entry.contenders[index] = regime_estimator(regime, entry.plans, request)
+        eligible, names, estimator, scales = cached
         if not eligible:
             return selection
         estimates = estimate_with(estimator, state)
+        if scales is not None:
+            estimates = [ms * scale for ms, scale in zip(estimates, scales)]
         order = sorted(range(len(eligible)), key=estimates.__getitem__)
-        note = (f"the regime's choice is the cost model's (first plan's GM regret {regime.fit_regret:.3f} on its "
-                f"cases): it chose among its {len(eligible)} eligible contenders")
+        if scales is None:
+            note = (f"the regime's choice is the cost model's (first plan's GM regret {regime.fit_regret:.3f} on its "
+                    f"cases): it chose among its {len(eligible)} eligible contenders")
+        else:
+            note = (f"the regime's choice is the calibrated cost model's: it chose among its {len(eligible)} eligible "
+                    "calibrated plans, each estimate times the plan's measured / estimated latency on the regime's cases")
+        source = "plan table + cost model" if scales is None else "plan table + calibrated cost model"
         chosen = Selection(request, tuple((names[i], estimates[i]) for i in order), selection.rejected,
-                           eligible[order[0]], "plan table + cost model", regime, selection.notes + (note,))
+                           eligible[order[0]], source, regime, selection.notes + (note,))
         entry.arbitrated[index] = chosen
         return chosen
 
@@ -427,6 +450,10 @@ def describe_choice(regime: Regime) -> str:
         return (f"plan rule: {rule.below} if {STAT_NAMES[rule.stat]} <= {rule.threshold:.4g}, else {rule.above}")
     if regime.choice == "cost_model":
         return f"the cost model among the regime's {len(regime.contenders)} contenders"
+    if regime.choice == "calibrated":
+        scales = ", ".join(f"{name} x{scale:.3f}" for name, scale in regime.calibration)
+        return (f"the calibrated cost model among {len(regime.calibration)} plans (estimate times measured / "
+                f"estimated on the regime's cases): {scales}")
     return "the ranking's first eligible plan"
 
 

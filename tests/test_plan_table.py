@@ -353,6 +353,45 @@ def test_loader_refuses_bad_choices(plan_rule_table, edit, message):
         PlanTable.from_dict(resigned(data))
 
 
+def as_calibrated(regime: dict) -> None:
+    """The plan-rule regime turned into a calibrated one (valid as it stands)."""
+    del regime["plan_rule"]
+    regime.update(choice="calibrated", calibration=[[LPT.name, 1.0], [OTHER_TILE.name, 1.1]])
+
+
+def test_a_calibrated_regime_loads(plan_rule_table):
+    data = copy.deepcopy(plan_rule_table[0].to_dict())
+    (bucket,) = data["table"]["keys"][REQUEST.key]["buckets"].values()
+    as_calibrated(bucket["regimes"][0])
+    (regime,) = bucket_of(PlanTable.from_dict(resigned(data))).regimes
+    assert regime.choice == "calibrated" and regime.calibration == ((LPT.name, 1.0), (OTHER_TILE.name, 1.1))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda regime: regime.update(choice="ranking"), "a calibration goes with choice 'calibrated' and only with it"),
+        (lambda regime: regime.update(calibration=[]), "a calibration goes with choice 'calibrated' and only with it"),
+        (lambda regime: regime["calibration"][1].__setitem__(0, "direct_nothing"),
+         "calibration names unknown plan 'direct_nothing'"),
+        (lambda regime: regime["calibration"][1].__setitem__(1, 0.0), "scale 0.0 of .* is not a positive number"),
+        (lambda regime: regime["calibration"][1].__setitem__(1, "nan"), "scale 'nan' of .* is not a positive number"),
+        (lambda regime: regime["calibration"][1].__setitem__(1, True), "scale True of .* is not a positive number"),
+        (lambda regime: regime["calibration"][1].__setitem__(0, LPT.name), f"calibration names {LPT.name} twice"),
+        (lambda regime: regime["calibration"].append([LPT.name]), r"is not a \[plan, scale\] pair"),
+        (lambda regime: regime.update(calibration={LPT.name: 1.0}), "is not a list of"),
+    ],
+    ids=["unchosen", "empty", "unknown", "zero", "nan", "bool", "twice", "pair", "not-list"],
+)
+def test_loader_refuses_bad_calibrations(plan_rule_table, edit, message):
+    data = copy.deepcopy(plan_rule_table[0].to_dict())
+    (bucket,) = data["table"]["keys"][REQUEST.key]["buckets"].values()
+    as_calibrated(bucket["regimes"][0])
+    edit(bucket["regimes"][0])
+    with pytest.raises(PlanTableError, match=message):
+        PlanTable.from_dict(resigned(data))
+
+
 def test_schedule_rule_is_fitted_where_its_tile_contends():
     """A regime whose cases disagree on the tile: the other tile is 30% faster where row_overlap >
     0.5. Where this tile contends the persistent grid wins on short runs, elsewhere on long ones (an

@@ -8,13 +8,14 @@ import io
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from tessera_diffusers import LogicalMask, Runtime, build_mask_state, reference
 from tessera_diffusers.catalog import all_kernels, plans_for, portable_kernels, reference_kernel
 from tessera_diffusers.eligibility import rejection
-from tessera_diffusers.plan_table import STAT_NAMES, TABLE_ENV, body_digest
+from tessera_diffusers.plan_table import STAT_NAMES, TABLE_ENV, PlanTable, body_digest
 from tessera_diffusers.plans import KvLayout, PhysicalPlan, Request, TaskOrganization
 from tessera_diffusers.profile.compile import CompileOptions, compile_table
 from tessera_diffusers.profile.synthetic import cost_model_latency, synthetic_profile
@@ -270,6 +271,79 @@ def test_a_regime_can_hand_its_choice_to_the_cost_model():
     assert any("the cost model's" in n for n in selection.notes)
     text = selection.explain()
     assert "choice   the cost model among the regime's 2 contenders" in text and "ranking (predicted ms)" in text
+
+
+def calibrated_profile(cases: int = 48):
+    """Latencies that follow the cost model (1% noise) over three Hopper tiles of Q64K64, except
+    that the 64 x 64 tile runs 20% slower than the model's global rate says and a KV-coarsened
+    128 x 128 tile (its area estimated from run lengths) is slow, at 1.5x its estimate. The row
+    unions (which no schema statistic shows) decide between the other two."""
+    request = Request(1, 24, SEQ, SEQ, 128, "bf16", 64, 64, "sm90")
+    hopper = [p for p in plans_for(64, 64, all_kernels()) if "hopper" in p.name and p.tasks.num_splits == 1
+              and not p.tasks.persistent and p.kernel.stages == 2 and rejection(p, request) is None]
+    small = next(p for p in hopper if (p.tile_q, p.tile_kv) == (64, 64))
+    tall = next(p for p in hopper if (p.tile_q, p.tile_kv) == (128, 128) and p.kv_layout is KvLayout.PACKED)
+    coarse = next(p for p in hopper if (p.tile_q, p.tile_kv) == (128, 128) and p.kv_layout is not KvLayout.PACKED)
+    model = cost_model_latency(0.01)
+
+    def latency(plan, request, stats, rng):
+        ms = model(plan, request, stats, rng)
+        if plan == small:
+            return 1.2 * ms
+        return 1.5 * ms if plan == coarse else ms
+
+    def unions(rng):  # the 128-row tiles' waste: within the 20% either way
+        return {2: rng.uniform(1.0, 1.4)}
+
+    profile = synthetic_profile("sm90", all_kernels(), [small, tall, coarse], [request], latency, cases,
+                                groups=4, row_unions=unions)
+    return request, small, tall, coarse, profile
+
+
+def test_a_regime_can_choose_by_the_calibrated_cost_model():
+    """Where the cost model's rates are off for one tile (the 64 x 64 one 20% slower than assumed),
+    the cost model picks it too often; the calibrated cost model scales each plan's estimate by its
+    measured / estimated latency on the profiled cases and picks right, so cross-validation makes it
+    the regime's choice. Only plans whose area the model measures are calibrated (not the
+    KV-coarsened tile: one scale cannot fix an estimate that is off by 2x on some masks only). The
+    artifact keeps the scales; the selector multiplies them in and explains them."""
+    from tessera_diffusers.cost_model import estimate_ms
+    from tessera_diffusers.profile.compile import bucket_data, fit_calibration
+
+    request, small, tall, coarse, profile = calibrated_profile()
+    options = CompileOptions(min_leaf=32)
+    table, report = compile_table(profile, options)
+    (bucket,) = table.keys[request.key].buckets.values()
+    (regime,) = bucket.regimes
+    assert regime.choice == "calibrated" and "calibrated —" in report.to_markdown()
+    scales = dict(regime.calibration)
+    assert set(scales) == {small.name, tall.name}
+    assert abs(scales[small.name] / scales[tall.name] - 1.2) < 0.02
+    data = bucket_data(profile.cases, [STAT_NAMES.index(s) for s in options.features.stats], None, options)
+    rows = np.arange(len(profile.cases))
+    named = (small.name, tall.name, coarse.name)
+    fitted = dict(fit_calibration(data, rows, named, profile.plans, {}))  # the coarsened tile is never calibrated
+    assert set(fitted) == {small.name, tall.name} and abs(fitted[small.name] / scales[small.name] - 1) < 1e-6
+    data = json.loads(json.dumps(table.to_dict()))
+    assert PlanTable.from_dict(data).keys[request.key].buckets[bucket.bucket].regimes[0] == regime
+
+    selector = Selector(table=table, kernels=all_kernels())
+    masks = [random_mask(1, 2, SEQ, SEQ, 64, 64, density=0.1, empty_rows=False, seed=2),
+             banded_mask(2, SEQ, 64, 64, density=0.1), banded_mask(2, SEQ, 64, 64, density=0.2)]
+    chosen = []
+    for mask in masks:  # row unions about 1.9, 1.14 and 1.07
+        state = build_mask_state(mask)
+        selection = selector.selection(request, state)
+        stats = state.host_stats() | {"row_union_2": state.row_union_ratios((2,))[2]}
+        expected = min((small, tall), key=lambda p: estimate_ms(p, request, stats) * scales[p.name])
+        assert selection.source == "plan table + calibrated cost model" and selection.chosen == expected
+        assert [name for name, _ in selection.ranking] == sorted(
+            scales, key=lambda n: estimate_ms(table.plans[n], request, stats) * scales[n])
+        chosen.append((expected, min((small, tall), key=lambda p: estimate_ms(p, request, stats))))
+    assert chosen[0] == (small, small) and chosen[1] == (tall, small)  # the scales moved the banded mask
+    text = selection.explain()
+    assert "choice   the calibrated cost model among 2 plans" in text and f"{small.name} x" in text
+    assert any("calibrated cost model's" in n for n in selection.notes)
 
 
 def test_a_schedule_rule_picks_the_task_organization_by_a_statistic():

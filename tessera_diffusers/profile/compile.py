@@ -27,8 +27,11 @@ Per request key (arch, geometry, head dim, dtype, layout):
    tile's organization need not be learned from the dense masks a 128 x 128 tile serves.
 5. The regime's *choice* of the plan those rules start from: its ranking's first plan, the cost
    model's pick among its contenders (it reads what no schema statistic shows, such as the row-union
-   ratios), or a *plan rule* (the same form as a schedule rule, between any two plans: another tile
-   too). Leave-groups-out cross-validation over the regime's cases rebuilds each way on the training
+   ratios), the *calibrated* cost model's (each contender whose computed area the model measures,
+   ``cost_model.area_is_measured``, with its estimate times a per-plan scale: the geometric mean of
+   measured over estimated latency on the training cases; the roofline's tile rates are global
+   constants, and how fast a tile shape really runs on one geometry is what the profile knows), or a
+   *plan rule* (the same form as a schedule rule, between any two plans: another tile too). Leave-groups-out cross-validation over the regime's cases rebuilds each way on the training
    cases and judges it, schedule rules applied, on the held-out ones; the ranking stays unless another
    way lowers the held-out regret by more than ``choice_margin``. Before this step (2026-11-30) the
    selector handed a regime to the cost model whenever its first plan lost more than 2% (GM) on its
@@ -49,7 +52,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from ..cost_model import PlanEstimator
+from ..cost_model import PlanEstimator, area_is_measured
 from ..errors import PlanTableError
 from ..mask_state import NUM_STATS
 from ..plan_table import (
@@ -411,6 +414,9 @@ def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[Pr
                                                                     if plan_rule else ())])
         schedules = fit_schedule_rules(data, rows, choosable, plans, columns, options)
         choice, held_out = fit_choice(data, rows, plans, columns, options, plan_rule is not None)
+        calibration = fit_calibration(data, rows, contenders, plans, {}) if choice == "calibrated" else ()
+        if choice == "calibrated" and not calibration:  # the whole regime's contenders hold fewer than two
+            choice = "ranking"
         described += [f"regime {index} ({rule}): {describe_rule(r, plans)}" for r in schedules]
         scores = ", ".join(f"{way.replace('_', ' ')} {math.exp(score):.4f}" for way, score in held_out.items())
         choices.append(f"regime {index} ({rule}): {choice.replace('_', ' ')}"
@@ -418,7 +424,8 @@ def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[Pr
                        + (f" — {scores}" if scores else
                           f" — one CV group or fewer than {options.choice_min_cases} cases: the ranking"))
         regimes.append(Regime(key, label, index, rule, len(rows), ranking, round(geometric_mean(regrets), 6),
-                              contenders, schedules, choice, plan_rule if choice == "plan_rule" else None))
+                              contenders, schedules, choice, plan_rule if choice == "plan_rule" else None,
+                              calibration))
     report = BucketReport(key, label, len(cases), len(set(data.groups)), depth, len(regimes),
                           tuple((d, math.exp(s)) for d, s in cv), geometric_mean(fit), note, tuple(described),
                           tuple(choices))
@@ -493,28 +500,27 @@ def fit_choice(data: BucketData, rows: np.ndarray, plans: Mapping[str, PhysicalP
     splits = cv_folds(data.groups[rows], options.folds) if len(rows) >= options.choice_min_cases else []
     if not splits:
         return "ranking", {}
-    logs: dict[str, list[float]] = {"ranking": [], "cost_model": [], "plan_rule": []}
+    logs: dict[str, list[float]] = {"ranking": [], "cost_model": [], "calibrated": [], "plan_rule": []}
     estimators: dict = {}
     for train, test in splits:
         train_rows = np.sort(rows[train])
         head = [r.plan for r in data.ranking(train_rows)]
         contenders = data.contenders(train_rows)
+        calibration = fit_calibration(data, train_rows, contenders, plans, estimators)
         rule = fit_plan_rule(data, train_rows, columns, options) if has_rule else None
         choosable = dict.fromkeys([head[0], *contenders, *((rule.below, rule.above) if rule else ())])
         schedules = fit_schedule_rules(data, train_rows, choosable, plans, columns, options)
         for row in rows[test]:
-            case = data.cases[row]
             ranked = data.first_valid(row, head)
-            picks = {"ranking": ranked, "cost_model": ranked, "plan_rule": ranked}
+            picks = {"ranking": ranked, "cost_model": ranked, "calibrated": ranked, "plan_rule": ranked}
             if len(contenders) >= 2:
-                memo = (case.request, contenders)
-                if memo not in estimators:
-                    estimators[memo] = PlanEstimator([plans[n] for n in contenders], case.request)
-                estimates = estimators[memo](case.stats, dict(case.row_unions))
                 # the cost model's order, among the contenders timed on this case (all, but for
                 # the rare plan a contenders-after profiling run did not time on it)
-                by_estimate = sorted(contenders, key=dict(zip(contenders, estimates)).get)
-                picks["cost_model"] = data.first_valid(row, by_estimate)
+                picks["cost_model"] = data.first_valid(row, by_estimate(data, row, contenders, plans, estimators))
+            if len(calibration) >= 2:
+                picks["calibrated"] = data.first_valid(row, by_estimate(data, row, tuple(n for n, _ in calibration),
+                                                                        plans, estimators, dict(calibration)))
+            case = data.cases[row]
             if rule is not None and not np.isnan(data.lat[row, data.column[rule.choose(case.stats)]]):
                 picks["plan_rule"] = rule.choose(case.stats)
             for way, pick in picks.items():
@@ -525,6 +531,41 @@ def fit_choice(data: BucketData, rows: np.ndarray, plans: Mapping[str, PhysicalP
     if scores[choice] >= scores["ranking"] + math.log(1.0 - options.choice_margin):
         choice = "ranking"
     return choice, scores
+
+
+def estimates_of(data: BucketData, row: int, names: tuple[str, ...], plans: Mapping[str, PhysicalPlan],
+                 estimators: dict) -> dict[str, float]:
+    """The cost model's milliseconds for ``names`` on case ``row`` (an estimator per request and plans)."""
+    case = data.cases[row]
+    memo = (case.request, names)
+    if memo not in estimators:
+        estimators[memo] = PlanEstimator([plans[n] for n in names], case.request)
+    return dict(zip(names, estimators[memo](case.stats, dict(case.row_unions))))
+
+
+def by_estimate(data: BucketData, row: int, names: tuple[str, ...], plans: Mapping[str, PhysicalPlan],
+                estimators: dict, scales: Mapping[str, float] | None = None) -> list[str]:
+    """``names`` by the cost model's estimate on case ``row`` (times ``scales``: calibrated), fastest first."""
+    estimates = estimates_of(data, row, names, plans, estimators)
+    return sorted(names, key=lambda n: estimates[n] * (scales[n] if scales else 1.0))
+
+
+def fit_calibration(data: BucketData, rows: np.ndarray, contenders: Sequence[str],
+                    plans: Mapping[str, PhysicalPlan], estimators: dict) -> tuple[tuple[str, float], ...]:
+    """``Regime.calibration`` fitted on ``rows``: each contender whose area the cost model measures
+    (``area_is_measured``), with the geometric mean over the rows it was timed on of its measured
+    over estimated latency. Empty with fewer than two such plans (nothing to choose between)."""
+    names = tuple(n for n in contenders if area_is_measured(plans[n]))
+    if len(names) < 2:
+        return ()
+    logs: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        estimates = estimates_of(data, row, names, plans, estimators)
+        for name in names:
+            ms = data.lat[row, data.column[name]]
+            if not np.isnan(ms):
+                logs[name].append(math.log(ms / estimates[name]))
+    return tuple((name, round(math.exp(float(np.mean(logs[name]))), 6)) for name in names if logs[name])
 
 
 def scheduled(name: str | None, schedules: Sequence[ScheduleRule], plans: Mapping[str, PhysicalPlan],
