@@ -5,7 +5,9 @@ plan over the best 128 x 128 plan of one case came out a median 1.9% (up to 9%) 
 with only their ~30 contenders than in cases timed with all ~70 eligible plans, and the held-out
 cases (all plans) agreed with the latter. One explanation: a batch of only fast, efficient plans
 keeps the GPU at its power limit and its clock lower (1,695-1,980 MHz under load), which slows a
-compute-bound tile more than a latency-bound one. This script measures it directly. Per case:
+compute-bound tile more than a latency-bound one. This script measures it directly (on the H200,
+``benchmarks/results/h200_batch_context``: no, the four contexts agree within the timing noise;
+those records compared different cases). Per case:
 
 1. every eligible plan is validated against the fp32 oracle;
 2. the *targets* — the fastest-predicted plan of each tile group, at most ``--targets`` — are timed

@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contenders-after", type=int, default=0,
                         help="after this many cases of a request key, time only plans within --contender-regret of "
                              "the best on one of them (and plans not yet seen); 0: every plan on every case. The "
-                             "later cases are then timed in smaller batches, which moved relative plan times by up to "
-                             "9%% on the H200 (benchmarks/batch_context.py)")
+                             "later cases are then timed in smaller batches (on the H200 that left relative plan times "
+                             "as they were, within the timing noise: benchmarks/batch_context.py)")
     parser.add_argument("--contender-regret", type=float, default=1.2)
     parser.add_argument("--context-gemm", type=int, default=0, metavar="N",
                         help="launch a dense bf16 N x N x N GEMM before every timed plan (a model's projections "

@@ -49,8 +49,8 @@ class ProfileConfig:
     # and plans not yet measured on it. Rankings only ever hold plans timed on all their cases, so
     # the table stays honest; a plan that never came close on the first cases is not revisited.
     # 0 (default): every eligible plan on every case. With interleaved timing the later cases are
-    # timed in smaller batches, and on the H200 that moved the best 64-row tile against the best
-    # 128-row tile by a median 1.8%, up to 9% (benchmarks/batch_context.py --from-records).
+    # timed in smaller batches; on the H200 the best 64-row tile against the best 128-row tile
+    # stayed within the timing noise whether timed alone or among all plans (benchmarks/batch_context.py).
     contenders_after: int = 0
     contender_regret: float = 1.2
     # Validate every plan of a case first, then time them in turn with the GPU kept busy from the
