@@ -19,7 +19,9 @@ kernel and layout); a chosen plan that was not timed is reported as such, never 
 With several records files (repeated profiling runs of the same cases) each (case, plan) latency is
 the geometric mean over the runs that timed it in all of them, and the report adds the repeat floor:
 the fastest plan of one run judged in another. No selector can be told apart from the oracle by less
-than that floor, since the oracle itself scores it against a repeat of its own measurements.
+than that floor, since the oracle itself scores it against a repeat of its own measurements. With
+one profile records file (per-plan samples kept) the report gives the *sample floor* instead: the
+same question asked of two halves of each case's samples (``sample_floor``).
 
 Rebuilding the corpus masks is most of the time (about 5 s per 32k-token case on 2 CPU cores);
 ``--mask-cache DIR`` keeps each built mask (bit-packed, keyed by the case name) for the next run.
@@ -30,7 +32,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import random
 import re
+import statistics
 from pathlib import Path
 
 import torch
@@ -67,14 +71,18 @@ def profile_cases(records: list[dict]) -> dict[str, dict]:
     latencies: dict[str, dict[str, float]] = {}
     abandoned: dict[str, set[str]] = {}
     methods: dict[str, set[str]] = {}
+    samples: dict[str, dict[str, list[float]]] = {}
     for rec in records:
         if rec.get("type") == "plan" and rec.get("status") == "ok":
             latencies.setdefault(rec["case"], {})[rec["plan"]] = float(rec["latency_ms"])
+            if len(rec.get("samples_ms") or ()) >= 2:
+                samples.setdefault(rec["case"], {})[rec["plan"]] = [float(x) for x in rec["samples_ms"]]
             methods.setdefault(rec["case"], set()).add(timing_method(rec))
             if rec.get("abandoned"):
                 abandoned.setdefault(rec["case"], set()).add(rec["plan"])
     return {rec["case"]: {"record": rec, "plans": latencies.get(rec["case"], {}),
-                          "abandoned": abandoned.get(rec["case"], set()), "methods": methods.get(rec["case"], set())}
+                          "abandoned": abandoned.get(rec["case"], set()), "methods": methods.get(rec["case"], set()),
+                          "samples": samples.get(rec["case"], {})}
             for rec in records if rec.get("type") == "case" and latencies.get(rec["case"])}
 
 
@@ -117,12 +125,37 @@ def repeat_floor(runs: list[dict[str, dict]], labels: list[str]) -> list[str]:
     return lines
 
 
-def summary_text(values: list[float], aside: str = "") -> str:
+def sample_floor(run: dict[str, dict], splits: int = 20, seed: int = 0) -> str | None:
+    """How precise a run is as a judge, from its own samples: per case, the plans' timed samples
+    split at random into two halves (the same split for every plan: samples of one round belong
+    together), the fastest plan by the medians of one half judged by the medians of the other;
+    ``splits`` splits pooled. A selector that always picked the truly fastest plan would score about
+    this (pessimistic: each half has fewer samples than the judge). None without per-plan samples."""
+    rng = random.Random(seed)
+    values = []
+    for name in sorted(run):
+        timed = run[name].get("samples") or {}
+        if len(timed) < 2:
+            continue
+        n = min(len(v) for v in timed.values())
+        for _ in range(splits):
+            order = rng.sample(range(n), n)
+            first, second = order[: n // 2], order[n // 2:]
+            a = {p: statistics.median(v[i] for i in first) for p, v in timed.items()}
+            b = {p: statistics.median(v[i] for i in second) for p, v in timed.items()}
+            values.append(b[min(a, key=a.get)] / min(b.values()))
+    if not values:
+        return None
+    return (f"- sample floor of the judge: each case's fastest plan by the medians of half its samples, judged by "
+            f"the medians of the other half ({splits} random splits): {summary_text(values, unit='case splits')}")
+
+
+def summary_text(values: list[float], aside: str = "", unit: str = "cases") -> str:
     """GM, P99, worst and the share within 3% of ``values`` (regrets); ``aside`` goes in the parentheses."""
     within = sum(v <= 1.03 for v in values)
     p99 = sorted(values)[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
     return (f"GM regret {gm_of(values):.4f}, P99 {p99:.3f}, worst {max(values):.3f}, within 3% on "
-            f"{within}/{len(values)} cases ({100 * within / len(values):.0f}%{aside})")
+            f"{within}/{len(values)} {unit} ({100 * within / len(values):.0f}%{aside})")
 
 
 def case_spec(name: str, rec: dict) -> CaseSpec:
@@ -236,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(runs) > 1:
         lines += [f"- latencies: geometric mean of {len(runs)} runs of the same cases, plans timed in all of them",
                   *repeat_floor(runs, [str(path) for path in args.records])]
+    else:
+        judged = {row["case"] for row in rows}
+        floor = sample_floor({name: case for name, case in runs[0].items() if name in judged})
+        if floor is not None:
+            lines.append(floor)
     lines.append("")
     lines.append("`*`: the profiler abandoned that plan after one timed sample slower than its abandon factor x "
                  "the case's best so far; the regret uses that one sample.")

@@ -83,6 +83,27 @@ def test_selection_regret_averages_repeated_runs_and_reports_the_repeat_floor():
     assert "fastest plan of `two` judged in `one`: GM regret 1.1000" in lines[1]  # b: 1.1 / 1.0
 
 
+def test_selection_regret_sample_floor_judges_half_the_samples_by_the_other_half():
+    """The sample floor of one run: per case the fastest plan by half of its samples, judged by the
+    other half. Two plans whose samples alternate which is faster give a floor above 1; plans that
+    never swap give exactly 1; cases without samples (kernel studies) give none."""
+    report = load("selection_regret")
+
+    def case(**samples):
+        return {"record": {}, "plans": {p: min(v) for p, v in samples.items()}, "abandoned": set(),
+                "samples": samples}
+
+    apart = {"c1": case(a=[1.0, 1.0, 1.0, 1.0], b=[2.0, 2.0, 2.0, 2.0])}
+    assert "GM regret 1.0000" in report.sample_floor(apart) and "within 3% on 20/20 case splits" in report.sample_floor(apart)
+    swapping = {"c1": case(a=[1.0, 1.2, 1.0, 1.2], b=[1.2, 1.0, 1.2, 1.0])}  # rounds 0, 2 favour a; 1, 3 favour b
+    line = report.sample_floor(swapping, splits=50)
+    assert line.startswith("- sample floor of the judge") and "GM regret 1.0000" not in line
+    assert report.sample_floor({"c1": {"record": {}, "plans": {"a": 1.0}, "abandoned": set()}}) is None
+    record = {"type": "case", "case": "c1", "spec": {}, "request": {}}
+    plan = {"type": "plan", "case": "c1", "plan": "a", "status": "ok", "latency_ms": 1.0, "samples_ms": [1.0, 1.1]}
+    assert report.profile_cases([record, plan])["c1"]["samples"] == {"a": [1.0, 1.1]}
+
+
 def test_timing_spread_smoke(tmp_path):
     """benchmarks/timing_spread.py on the CPU: per (case, plan) the rounds of fresh buffers, each with
     two timings (new buffers, then the same buffers again), summarized and written as JSON + markdown."""
