@@ -368,7 +368,8 @@ class Selector:
                    selection: Selection, reuse: bool = True) -> Selection:
         """The plan of the regime's ``choice``: ``selection`` (its ranking's first eligible plan),
         or, on this mask's statistics (one read), its plan rule's plan when eligible, or the cost
-        model's pick among its eligible contenders. With ``reuse_regime`` a later mask of the
+        model's pick among its eligible contenders (calibrated: among its calibrated plans, each
+        estimate times the plan's scale). With ``reuse_regime`` a later mask of the
         request keeps that choice."""
         regime = entry.regimes[index]
         if regime.choice == "ranking" or (regime.choice == "cost_model" and len(regime.contenders) < 2):
@@ -451,9 +452,9 @@ def describe_choice(regime: Regime) -> str:
     if regime.choice == "cost_model":
         return f"the cost model among the regime's {len(regime.contenders)} contenders"
     if regime.choice == "calibrated":
-        scales = ", ".join(f"{name} x{scale:.3f}" for name, scale in regime.calibration)
-        return (f"the calibrated cost model among {len(regime.calibration)} plans (estimate times measured / "
-                f"estimated on the regime's cases): {scales}")
+        scales = [scale for _, scale in regime.calibration]
+        return (f"the calibrated cost model among {len(scales)} plans (each estimate times the plan's measured / "
+                f"estimated latency on the regime's cases, x{min(scales):.3f} to x{max(scales):.3f})")
     return "the ranking's first eligible plan"
 
 

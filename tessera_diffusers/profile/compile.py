@@ -31,9 +31,10 @@ Per request key (arch, geometry, head dim, dtype, layout):
    ``cost_model.area_is_measured``, with its estimate times a per-plan scale: the geometric mean of
    measured over estimated latency on the training cases; the roofline's tile rates are global
    constants, and how fast a tile shape really runs on one geometry is what the profile knows), or a
-   *plan rule* (the same form as a schedule rule, between any two plans: another tile too). Leave-groups-out cross-validation over the regime's cases rebuilds each way on the training
-   cases and judges it, schedule rules applied, on the held-out ones; the ranking stays unless another
-   way lowers the held-out regret by more than ``choice_margin``. Before this step (2026-11-30) the
+   *plan rule* (the same form as a schedule rule, between any two plans: another tile too).
+   Leave-groups-out cross-validation over the regime's cases rebuilds each way on the training cases
+   and judges it, schedule rules applied, on the held-out ones; the ranking stays unless another way
+   lowers the held-out regret by more than ``choice_margin``. Before this step (2026-11-30) the
    selector handed a regime to the cost model whenever its first plan lost more than 2% (GM) on its
    cases; on the interleaved H200 profile that was right for Q32K32 and Q64K32 and wrong for Q32K16.
 
