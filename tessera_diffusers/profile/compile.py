@@ -422,6 +422,8 @@ def fit_bucket(key: str, bucket: tuple[int, int], label: str, cases: Sequence[Pr
         scores = ", ".join(f"{way.replace('_', ' ')} {math.exp(score):.4f}" for way, score in held_out.items())
         choices.append(f"regime {index} ({rule}): {choice.replace('_', ' ')}"
                        + (f" ({describe_rule(plan_rule, plans, organization=False)})" if choice == "plan_rule" else "")
+                       + (f" ({len(calibration)} plans, scales x{min(x for _, x in calibration):.3f} to "
+                          f"x{max(x for _, x in calibration):.3f})" if calibration else "")
                        + (f" — {scores}" if scores else
                           f" — one CV group or fewer than {options.choice_min_cases} cases: the ranking"))
         regimes.append(Regime(key, label, index, rule, len(rows), ranking, round(geometric_mean(regrets), 6),
