@@ -576,7 +576,7 @@ def parse_calibration(entries: Any, plans: Mapping[str, PhysicalPlan], fail) -> 
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
             raise fail(f"calibration entry {entry!r} is not a [plan, scale] pair")
         name, scale = entry
-        if name not in plans:
+        if not isinstance(name, str) or name not in plans:
             raise fail(f"calibration names unknown plan {name!r}")
         if any(name == known for known, _ in calibration):
             raise fail(f"calibration names {name} twice")

@@ -380,8 +380,9 @@ def test_a_calibrated_regime_loads(plan_rule_table):
         (lambda regime: regime["calibration"][1].__setitem__(0, LPT.name), f"calibration names {LPT.name} twice"),
         (lambda regime: regime["calibration"].append([LPT.name]), r"is not a \[plan, scale\] pair"),
         (lambda regime: regime.update(calibration={LPT.name: 1.0}), "is not a list of"),
+        (lambda regime: regime["calibration"][1].__setitem__(0, [LPT.name]), "calibration names unknown plan"),
     ],
-    ids=["unchosen", "empty", "unknown", "zero", "nan", "bool", "twice", "pair", "not-list"],
+    ids=["unchosen", "empty", "unknown", "zero", "nan", "bool", "twice", "pair", "not-list", "unhashable"],
 )
 def test_loader_refuses_bad_calibrations(plan_rule_table, edit, message):
     data = copy.deepcopy(plan_rule_table[0].to_dict())
