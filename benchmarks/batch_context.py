@@ -57,7 +57,7 @@ from tessera_diffusers.bench.timing import INTERLEAVED_WARM_LAUNCHES, gemm_conte
 from tessera_diffusers.cost_model import estimate_ms
 from tessera_diffusers.mask_state import build_mask_state
 from tessera_diffusers.plan_table import tile_group
-from tessera_diffusers.profile.config import ProfileConfig, add_case_arguments, study_config
+from tessera_diffusers.profile.config import ProfileConfig, add_case_arguments, require_positive, study_config
 from tessera_diffusers.profile.records import read_records
 from tessera_diffusers.profile.runner import build_problem, case_plans, profiling_kernels, validate_plan
 
@@ -75,7 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gemm", type=int, default=8192, help="size of the GEMM context (n x n x n, bf16)")
     parser.add_argument("--from-records", type=Path, nargs="+", default=None, metavar="RECORDS",
                         help="offline: profile records (and held-out records to compare with), no timing")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    require_positive(parser, args, "cases", "targets", "repeats", "reps", "gemm")
+    return args
 
 
 class ClockSampler:

@@ -43,7 +43,7 @@ from tessera_diffusers.bench.timing import time_kernel
 from tessera_diffusers.cost_model import estimate_ms
 from tessera_diffusers.mask_state import build_mask_state
 from tessera_diffusers.prepare import prepare
-from tessera_diffusers.profile.config import ProfileConfig, add_case_arguments, study_config
+from tessera_diffusers.profile.config import ProfileConfig, add_case_arguments, require_positive, study_config
 from tessera_diffusers.profile.runner import build_problem, case_plans, profiling_kernels
 from tessera_diffusers.runtime import execute
 
@@ -59,9 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
-    for name in ("cases", "plans_per_case", "rounds", "reps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
+    require_positive(parser, args, "cases", "plans_per_case", "rounds", "reps")
     return args
 
 

@@ -9,6 +9,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -130,6 +132,14 @@ def test_batch_context_smoke(tmp_path):
             assert all(len(v) == 2 for v in case["times"][context].values())
     assert "| case | alone | full | gemm | full+gemm |" in (tmp_path / "batch_context.md").read_text()
     assert module.tile_rows("coarsened-packed_q128k64_from_q16k16_d128_bf16_sm90a_hopper_s2w8_lpt") == 128
+
+
+@pytest.mark.parametrize("script, option", [("batch_context", "--targets"), ("batch_context", "--repeats"),
+                                            ("timing_spread", "--rounds")])
+def test_studies_refuse_counts_below_one(tmp_path, capsys, script, option):
+    with pytest.raises(SystemExit):
+        load(script).parse_args(["--out", str(tmp_path), "--smoke", option, "0"])
+    assert f"{option}: expected a positive count, got 0" in capsys.readouterr().err
 
 
 def test_batch_context_from_records_compares_pruned_and_full_batches(tmp_path):

@@ -152,6 +152,13 @@ def add_case_arguments(parser: argparse.ArgumentParser, families: str, cases: in
     parser.add_argument("--smoke", action="store_true", help="tiny CPU configuration (executor plans)")
 
 
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """``parser.error`` naming the first of the count options ``names`` (attribute names) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
+
+
 def study_config(args: argparse.Namespace, **timing) -> ProfileConfig:
     """The ``ProfileConfig`` of ``add_case_arguments``' selection (the first ``--cases`` cases of
     the split; the smoke configuration with ``--smoke``) with ``timing`` (warmup, reps) and
