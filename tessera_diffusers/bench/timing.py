@@ -134,9 +134,9 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
 
     Until 2026-11-30 each round started one kernel later ("rotated"), so a kernel nearly always
     followed the same one, and whatever that one leaves behind (L2 contents, power draw) would bias
-    every sample alike. On the H200 the best 64 x 64 and 128 x 128 Q16K16 plans compared 2-5% apart
-    on the same kind of mask depending on which other plans shared the batch; the cause is not yet
-    isolated, and shuffled rounds at least keep it from being the same in every sample."""
+    every sample alike; shuffled rounds keep any such effect from being the same in every sample. (On
+    the H200 the ratio of two tiles did not move with the other plans of the batch, nor with a GEMM
+    before every launch: ``benchmarks/results/h200_batch_context``.)"""
     check_counts(warmup, reps)
     if not runs:
         return []
