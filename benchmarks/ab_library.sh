@@ -14,11 +14,11 @@ for LIB in "${LIBS[@]}"; do
   i=$((i + 1))
   TAG=kernels_ab; [ ${#LIBS[@]} -gt 1 ] && TAG=kernels_ab$i
   echo "=== $TAG: $LIB"
-  TESSERA_NATIVE_LIB=$LIB OUT=$OUT KERNELS_TIMEOUT=150 KERNELS_TAG=$TAG KERNELS_ARGS="$KARGS" \
+  TESSERA_NATIVE_LIB=$LIB OUT=$OUT KERNELS_TIMEOUT=150 KERNELS_TAG=$TAG KERNELS_ARGS="${AB_LIB_KERNELS_ARGS:-$KARGS}" \
     PYTEST_ARGS="${AB_PYTEST_ARGS:--k hopper -x -q}" TESTS_TIMEOUT=150 \
     bash benchmarks/device_check.sh tests kernels 2>&1 | grep -v "^NVIDIA\|^name\|^torch" | tail -16
   mv "$OUT/gpu_tests.log" "$OUT/${TAG}_gpu_tests.log"
   TESSERA_NATIVE_LIB=$LIB timeout 150 compute-sanitizer --tool synccheck --error-exitcode 3 \
-    python3 benchmarks/sanitize_check.py --family hopper > "$OUT/${TAG}_synccheck.log" 2>&1
+    python3 benchmarks/sanitize_check.py ${AB_SANITIZE_ARGS:---family hopper} > "$OUT/${TAG}_synccheck.log" 2>&1
   echo "synccheck rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/${TAG}_synccheck.log" | tail -1)"
 done

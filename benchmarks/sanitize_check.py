@@ -25,6 +25,8 @@ PORTABLE_CASES = [
     ((64, 64), "portable", (128, 128, 128, "fp16", 3, 8), KvLayout.CONTIGUOUS, TaskOrganization(Traversal.LONGEST_FIRST, 3)),
     ((384, 384), "portable", (128, 64, 64, "bf16", 2, 4), KvLayout.CONTIGUOUS, TaskOrganization(persistent=True)),
     ((32, 16), "portable", (64, 128, 64, "fp16", 3, 4), KvLayout.PACKED, TaskOrganization(Traversal.ROW_MAJOR, 2)),
+    # two m16 tiles per warp, each on its own 16-row query unit of a coarsened 128 x 64 tile, split-K
+    ((16, 16), "portable", (128, 64, 128, "bf16", 2, 4), KvLayout.CONTIGUOUS, TaskOrganization(Traversal.LONGEST_FIRST, 2)),
 ]
 HOPPER_CASES = [
     ((128, 128), "hopper", (128, 128, 128, "bf16", 2, 8), KvLayout.CONTIGUOUS, TaskOrganization(Traversal.LONGEST_FIRST, 3)),
