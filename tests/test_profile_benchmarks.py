@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -304,3 +305,37 @@ def test_selection_regret_splits_regret_into_organization_and_tile():
     assert report.regret_split(plans, "coarsened-packed_q128k128_x_s2w8_lpt", 1.6) == (1.0, 1.0)
     assert report.family_of("n32k:Q64K64-HD/text_sink/bench32k/h24/s0:bf16:d128:b1") == "Q64K64-HD"
     assert report.family_of("Q128K64/sliding_tile/bench32k/h24/s32") == "Q128K64"
+
+
+def test_tile_fill_counts_active_pairs_and_idle_warps():
+    tile_fill = load("tile_fill").tile_fill
+    # One head, 8 query blocks of 16 rows (one 128-row tile), 8 key blocks of 16 (two 64-wide tiles).
+    blocks = torch.zeros(1, 8, 8, dtype=torch.bool)
+    blocks[0, 0, :4] = True      # query unit 0: the first KV tile only
+    blocks[0, 7, 4:] = True      # query unit 7: the second KV tile only
+    # Union of the tile's rows: all 8 key blocks = 2 KV tiles x 4 slots x 8 units = 64 scheduled pairs.
+    fill, idle = tile_fill(blocks, 16, 16, 128, 64, 32)
+    assert fill == pytest.approx(8 / 64)
+    # 32 rows per warp: 4 warps x 2 tiles; warp 0 works on tile 0 only, warp 3 on tile 1 only.
+    assert idle == pytest.approx(6 / 8)
+    fill16, idle16 = tile_fill(blocks, 16, 16, 128, 64, 16)
+    assert fill16 == pytest.approx(fill)
+    assert idle16 == pytest.approx(14 / 16)
+
+
+def test_ab_compare_reports_per_plan_ratios(tmp_path):
+    ab = load("ab_compare")
+    for name, scale in (("base", 1.0), ("study", 1.21)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"family": "Q64K64", "backend": "tessera-plans", "plan": "p1", "status": "ok", "kernel_ms": 2.0 * scale},
+                {"family": "Q64K64", "backend": "tessera-plans", "plan": "p2", "status": "ok", "kernel_ms": 4.0},
+                {"family": "Q64K64", "backend": "tessera-plans", "plan": "p3", "status": "failed", "kernel_ms": 1.0},
+                {"family": "Q64K64", "backend": "sdpa-cudnn", "status": "ok", "kernel_ms": 19.0}]
+        (run / "records.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    text = ab.report(ab.kernel_times(tmp_path / "base"), ab.kernel_times(tmp_path / "study"), None, "t")
+    assert "GM **1.100** over 2 plans" in text  # sqrt(1.21 * 1.0): failed records and dense rows left out
+    assert "| Q64K64 | p1 | 2.000 | 2.420 | 1.210 |" in text
+    assert "19.000 / 19.000" in text
+    with pytest.raises(SystemExit):
+        ab.report(ab.kernel_times(tmp_path / "base"), ab.kernel_times(tmp_path / "study"), "^nothing$", "t")
