@@ -339,3 +339,40 @@ def test_ab_compare_reports_per_plan_ratios(tmp_path):
     assert "19.000 / 19.000" in text
     with pytest.raises(SystemExit):
         ab.report(ab.kernel_times(tmp_path / "base"), ab.kernel_times(tmp_path / "study"), "^nothing$", "t")
+
+
+def test_query_regrouping_groups_blocks_by_their_key_sets():
+    regroup = load("query_regrouping")
+    # Two heads, 8 query blocks; head 0 alternates between two key sets (natural pairs mix them),
+    # head 1 is already grouped (the natural order is kept).
+    blocks = torch.zeros(2, 8, 8, dtype=torch.bool)
+    blocks[0, 0::2, :4] = True
+    blocks[0, 1::2, 4:] = True
+    blocks[1, :4, :4] = True
+    blocks[1, 4:, 4:] = True
+    perm = regroup.group_query_blocks(blocks, group=2, window=4)
+    for h in range(2):
+        assert sorted(perm[h].tolist()) == list(range(8))  # a permutation of the query blocks
+    natural = torch.arange(8).expand(2, 8)
+    assert regroup.scheduled_key_blocks(blocks, natural, 2).tolist() == [32, 16]
+    assert regroup.scheduled_key_blocks(blocks, perm, 2).tolist() == [16, 16]
+    assert perm[1].tolist() == list(range(8))
+    with pytest.raises(ValueError):
+        regroup.group_query_blocks(blocks, group=0)
+
+
+def test_regrouped_attention_scattered_back_equals_the_original():
+    from tessera_diffusers import LogicalMask, reference
+    from tessera_diffusers.testing import random_mask, random_qkv
+
+    regroup = load("query_regrouping")
+    mask = random_mask(1, 3, 8 * 16, 8 * 16 - 5, 16, 16, density=0.4, seed=3)
+    perm = regroup.group_query_blocks(mask.blocks[0], group=4, window=4)
+    q, k, v = random_qkv(1, mask.seq_len_q, mask.seq_len_kv, 3, 32, torch.float32, "cpu", seed=3)
+    expected = reference.attention(q, k, v, mask, 0.125)
+    moved = reference.attention(regroup.gather_rows(q, perm, 16), k, v, regroup.permuted_mask(mask, perm), 0.125)
+    back = regroup.gather_rows(moved, torch.argsort(perm, dim=1), 16)
+    torch.testing.assert_close(back, expected)
+    partial = LogicalMask(mask.blocks, 16, 16, mask.seq_len_q - 3, mask.seq_len_kv)
+    with pytest.raises(ValueError):
+        regroup.permuted_mask(partial, perm)
