@@ -24,12 +24,14 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from tessera_diffusers import LogicalMask, build_mask_state, prepare
-from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
+from tessera_diffusers.corpus import enumerate_cases
+from tessera_diffusers.corpus.grids import grid_named
 from tessera_diffusers.mask_state import group_activity
 
 
@@ -96,11 +98,16 @@ def gather_rows(x: torch.Tensor, perm: torch.Tensor, block: int) -> torch.Tensor
     return blocked.gather(2, index).permute(0, 2, 3, 1, 4).reshape(b, s, h, d)
 
 
-def waste_table(families: list[str], cases: int, window: int) -> list[dict]:
+def evaluation_cases(family: str, grid: str, cases: int) -> list:
+    """The first ``cases`` evaluation-split corpus cases of ``family`` on ``grid`` (one per source)."""
+    return list(enumerate_cases("evaluation", families=[family], grids=[grid_named(grid)], seeds_per_combo=1))[:cases]
+
+
+def waste_table(families: list[str], cases: int, window: int, grid: str) -> list[dict]:
     """Computed over active token pairs for 64 x 64 and 128 x 128 tiles, natural and regrouped."""
     rows = []
     for family in families:
-        for case in list(enumerate_cases("evaluation", families=[family], grids=[BENCH_32K], seeds_per_combo=1))[:cases]:
+        for case in evaluation_cases(family, grid, cases):
             mask = case.build()
             blocks = mask.blocks[0]
             active = int(blocks.sum())
@@ -129,7 +136,7 @@ def regroup_case(spec, args: argparse.Namespace, device: torch.device) -> dict:
     from tessera_diffusers.selector import Selector
 
     mask = spec.build().to(device)
-    problem = Problem(spec.name, "n32k", spec.family, spec.source, mask, 1, mask.heads, 128, torch.bfloat16, spec)
+    problem = Problem(spec.name, args.grid, spec.family, spec.source, mask, 1, mask.heads, 128, torch.bfloat16, spec)
     plans = [p for p in candidate_plans(problem, allow_executor=False)[0] if re.search(args.plan_filter, p.name)]
     selected = Selector().select(request_of(problem), build_mask_state(mask))  # the plan table's choice
     if selected is not None and selected.tile_q > mask.block_q and selected not in plans:
@@ -138,11 +145,15 @@ def regroup_case(spec, args: argparse.Namespace, device: torch.device) -> dict:
     check = OracleCheck(problem, inputs[0], [0, mask.heads - 1])
     bq, blocks = mask.block_q, mask.blocks[0]
     entries = []  # (label, plan, prepared, the query sets it reads)
-    perms, gathered = {}, {}
+    perms, gathered, grouping_s = {}, {}, {}
     for plan in plans:
         group = max(1, plan.tile_q // bq)
         if group not in perms:
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
             perms[group] = group_query_blocks(blocks, group, args.window)
+            torch.cuda.synchronize(device)
+            grouping_s[group] = time.perf_counter() - start
             gathered[group] = [gather_rows(x[0], perms[group], bq) for x in inputs]
         for label, m, perm in (("original", mask, None), ("regrouped", permuted_mask(mask, perms[group]), perms[group])):
             prepared = prepare(plan, build_mask_state(m))
@@ -171,19 +182,21 @@ def regroup_case(spec, args: argparse.Namespace, device: torch.device) -> dict:
              for label, order in (("original", natural), ("regrouped", perms[group]))}
     return {"case": spec.name, "plans": by_plan, "gather_scatter_ms": ms[-1], "union_blocks_over_active": waste,
             "selected": selected.name if selected is not None else None,
+            "grouping_s": {str(g): t for g, t in grouping_s.items()},
             "best": {k: {"ms": v[0], "plan": v[1]} for k, v in best.items()}}
 
 
 def run_gpu(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "window": args.window, "cases": []}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "window": args.window,
+               "grid": args.grid, "cases": []}
     lines = ["| case | plan | original ms | regrouped ms | ratio |", "|---|---|---|---|---|"]
     header = ("| case | key blocks over active, original | regrouped | best original plan ms | best regrouped plan ms "
-              "| gather Q + scatter O ms | regrouped with both / best original |")
-    summary = [header, "|---|---|---|---|---|---|---|"]
+              "| gather Q + scatter O ms | regrouped with both / best original | grouping (Python greedy) s |")
+    summary = [header, "|---|---|---|---|---|---|---|---|"]
     for family in args.families.split(","):
-        for spec in list(enumerate_cases("evaluation", families=[family], grids=[BENCH_32K], seeds_per_combo=1))[: args.cases]:
+        for spec in evaluation_cases(family, args.grid, args.cases):
             r = regroup_case(spec, args, device)
             results["cases"].append(r)
             for name, pair in r["plans"].items():
@@ -193,9 +206,10 @@ def run_gpu(args: argparse.Namespace) -> int:
             best, waste, moved = r["best"], r["union_blocks_over_active"], r["gather_scatter_ms"]
             summary.append(f"| {r['case']} | {waste['original']:.2f} | {waste['regrouped']:.2f} | "
                            f"{best['original']['ms']:.3f} | {best['regrouped']['ms']:.3f} | {moved:.3f} | "
-                           f"{(best['regrouped']['ms'] + moved) / best['original']['ms']:.3f} |")
+                           f"{(best['regrouped']['ms'] + moved) / best['original']['ms']:.3f} | "
+                           f"{max(r['grouping_s'].values()):.2f} |")
             print(summary[-1], flush=True)
-    text = ("# Regrouped query blocks: kernel latency on the permuted masks\n\n"
+    text = (f"# Regrouped query blocks: kernel latency on the permuted masks ({args.grid})\n\n"
             "Key blocks scheduled per query tile over active ones, at the best regrouped plan's tile height.\n\n"
             + "\n".join(summary) + "\n\n" + "\n".join(lines) + "\n")
     (args.out / "query_regrouping.md").write_text(text)
@@ -210,13 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", default="Q16K16,Q32K16,Q32K32")
     parser.add_argument("--cases", type=int, default=1, help="evaluation cases per family (one per source)")
     parser.add_argument("--window", type=int, default=64, help="query blocks after the seed a group may take")
+    parser.add_argument("--grid", default="bench32k", help="corpus latent grid (bench32k: N = 32,768; wan720p: 75,600)")
     parser.add_argument("--plan-filter", default=r"hopper_s2w[48]_lpt-persistent$")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help="only the computed key blocks per tile shape")
     args = parser.parse_args(argv)
     if args.cpu:
-        waste_table(args.families.split(","), args.cases, args.window)
+        waste_table(args.families.split(","), args.cases, args.window, args.grid)
         return 0
     if args.out is None:
         parser.error("--out is required unless --cpu")
