@@ -15,7 +15,7 @@ original mask (after scattering back), all timed interleaved; the gather of Q an
 timed on their own. ``--cpu`` prints only the computed key blocks per tile shape (no kernels).
 
     python benchmarks/query_regrouping.py --out DIR [--families Q16K16,Q32K16,Q32K32] [--cases 1]
-    python benchmarks/query_regrouping.py --cpu --families Q16K16 --cases 5
+    python benchmarks/query_regrouping.py --cpu --families Q16K16 --cases 5 [--windows 16,64,256 --heads 8]
 """
 
 from __future__ import annotations
@@ -103,25 +103,28 @@ def evaluation_cases(family: str, grid: str, cases: int) -> list:
     return list(enumerate_cases("evaluation", families=[family], grids=[grid_named(grid)], seeds_per_combo=1))[:cases]
 
 
-def waste_table(families: list[str], cases: int, window: int, grid: str) -> list[dict]:
-    """Computed over active token pairs for 64 x 64 and 128 x 128 tiles, natural and regrouped."""
+def waste_table(families: list[str], cases: int, windows: list[int], grid: str, heads: int | None) -> list[dict]:
+    """Computed over active token pairs for 64 x 64 and 128 x 128 tiles, natural and regrouped with
+    each window, on the first ``heads`` heads of each case (all when None)."""
     rows = []
     for family in families:
         for case in evaluation_cases(family, grid, cases):
             mask = case.build()
-            blocks = mask.blocks[0]
+            blocks = mask.blocks[0, :heads]
             active = int(blocks.sum())
             row = {"case": case.name}
+            natural = torch.arange(blocks.shape[1]).expand(blocks.shape[0], -1)
             for tile in (64, 128):
                 group_q, group_kv = tile // mask.block_q, tile // mask.block_kv
                 if group_q < 2:
                     continue
-                perm = group_query_blocks(blocks, group_q, window)
-                for name, order in (("natural", torch.arange(blocks.shape[1]).expand(blocks.shape[0], -1)), ("grouped", perm)):
+                orders = [("natural", natural)] + [
+                    (f"grouped w{w}", group_query_blocks(blocks, group_q, w)) for w in windows]
+                for name, order in orders:
                     ordered = blocks.gather(1, order[..., None].expand_as(blocks))
                     union = group_activity(ordered, group_q, dim=-2).sum(-1)  # [H, nQT]
                     tiles = int(((union + group_kv - 1) // group_kv).sum())
-                    row[f"{tile}x{tile} {name}"] = tiles * group_q * group_kv / active
+                    row[f"{tile}x{tile} {name}"] = round(tiles * group_q * group_kv / active, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -235,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help="only the computed key blocks per tile shape")
+    parser.add_argument("--windows", default=None, help="--cpu: comma-separated windows to compare (default: --window)")
+    parser.add_argument("--heads", type=int, default=None, help="--cpu: the first HEADS heads of each case (default all)")
     args = parser.parse_args(argv)
     if args.cpu:
-        waste_table(args.families.split(","), args.cases, args.window, args.grid)
+        windows = [int(w) for w in args.windows.split(",")] if args.windows else [args.window]
+        waste_table(args.families.split(","), args.cases, windows, args.grid, args.heads)
         return 0
     if args.out is None:
         parser.error("--out is required unless --cpu")
