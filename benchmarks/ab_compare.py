@@ -10,26 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from tessera_diffusers.bench.metrics import geometric_mean, ok
+
 
 def kernel_times(run_dir: Path) -> dict[tuple[str, str], float]:
     """(family, plan or backend) -> kernel ms of every record that ran and passed its check."""
-    times = {}
     with open(run_dir / "records.jsonl") as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("status") == "ok":
-                times[(r["family"], r.get("plan") or r["backend"])] = r["kernel_ms"]
-    return times
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+        records = [json.loads(line) for line in f]
+    return {(r["family"], r.get("plan") or r["backend"]): r["kernel_ms"] for r in ok(records)}
 
 
 def report(base: dict, study: dict, pattern: str | None, title: str) -> str:
@@ -42,7 +35,7 @@ def report(base: dict, study: dict, pattern: str | None, title: str) -> str:
     if not families:
         raise SystemExit("no plan was timed in both runs (check the directories and --filter)")
     ratios = [s / b for rows in families.values() for _, b, s in rows]
-    summary = (f"Study over base, kernel latency: GM **{geomean(ratios):.3f}** over {len(ratios)} plans "
+    summary = (f"Study over base, kernel latency: GM **{geometric_mean(ratios):.3f}** over {len(ratios)} plans "
                "(below 1: the study build is faster).")
     lines = [f"# {title}", "", summary, "",
              "| family | plans | GM | best base plan ms | its study ms | cuDNN base / study ms |",
@@ -51,7 +44,7 @@ def report(base: dict, study: dict, pattern: str | None, title: str) -> str:
         best = min(rows, key=lambda r: r[1])
         cudnn = (base.get((family, "sdpa-cudnn")), study.get((family, "sdpa-cudnn")))
         dense = " / ".join(f"{c:.3f}" if c else "-" for c in cudnn)
-        lines.append(f"| {family} | {len(rows)} | {geomean([s / b for _, b, s in rows]):.3f} | {best[1]:.3f} | "
+        lines.append(f"| {family} | {len(rows)} | {geometric_mean([s / b for _, b, s in rows]):.3f} | {best[1]:.3f} | "
                      f"{best[2]:.3f} | {dense} |")
     lines += ["", "| family | plan | base ms | study ms | ratio |", "|---|---|---|---|---|"]
     for family, rows in families.items():

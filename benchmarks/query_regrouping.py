@@ -70,15 +70,25 @@ def group_query_blocks(blocks: torch.Tensor, group: int, window: int = 64) -> to
             perm[:, written + k] = pick
             union |= padded[rows, pick]
         written += min(group, n_q - written)
-    natural = torch.arange(n_q, device=device).expand(heads, n_q)
+    natural = natural_order(blocks)
     keep = scheduled_key_blocks(blocks, natural, group) <= scheduled_key_blocks(blocks, perm, group)
     return torch.where(keep[:, None], natural, perm)
 
 
+def natural_order(blocks: torch.Tensor) -> torch.Tensor:
+    """The identity permutation ``[G, nQ]`` of the query blocks of ``blocks [G, nQ, nKV]``."""
+    return torch.arange(blocks.shape[1], device=blocks.device).expand(blocks.shape[0], -1)
+
+
+def group_unions(blocks: torch.Tensor, perm: torch.Tensor, group: int) -> torch.Tensor:
+    """``[G, ceil(nQ / group)]``: key blocks in the union of each run of ``group`` blocks of ``perm``."""
+    ordered = blocks.gather(1, perm[..., None].expand_as(blocks))
+    return group_activity(ordered, group, dim=-2).sum(-1)
+
+
 def scheduled_key_blocks(blocks: torch.Tensor, perm: torch.Tensor, group: int) -> torch.Tensor:
     """Per head, the key blocks of every group's union summed over the groups of ``perm``."""
-    ordered = blocks.gather(1, perm[..., None].expand_as(blocks))
-    return group_activity(ordered, group, dim=-2).sum((-1, -2))
+    return group_unions(blocks, perm, group).sum(-1)
 
 
 def permuted_mask(mask: LogicalMask, perm: torch.Tensor) -> LogicalMask:
@@ -113,7 +123,7 @@ def waste_table(families: list[str], cases: int, windows: list[int], grid: str, 
             blocks = mask.blocks[0, :heads]
             active = int(blocks.sum())
             row = {"case": case.name}
-            natural = torch.arange(blocks.shape[1]).expand(blocks.shape[0], -1)
+            natural = natural_order(blocks)
             for tile in (64, 128):
                 group_q, group_kv = tile // mask.block_q, tile // mask.block_kv
                 if group_q < 2:
@@ -121,9 +131,7 @@ def waste_table(families: list[str], cases: int, windows: list[int], grid: str, 
                 orders = [("natural", natural)] + [
                     (f"grouped w{w}", group_query_blocks(blocks, group_q, w)) for w in windows]
                 for name, order in orders:
-                    ordered = blocks.gather(1, order[..., None].expand_as(blocks))
-                    union = group_activity(ordered, group_q, dim=-2).sum(-1)  # [H, nQT]
-                    tiles = int(((union + group_kv - 1) // group_kv).sum())
+                    tiles = int(((group_unions(blocks, order, group_q) + group_kv - 1) // group_kv).sum())
                     row[f"{tile}x{tile} {name}"] = round(tiles * group_q * group_kv / active, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -178,8 +186,8 @@ def regroup_case(spec, args: argparse.Namespace, device: torch.device) -> dict:
     for (label, plan, _, _), t in zip(entries, ms[:-1]):
         by_plan.setdefault(plan.name, {})[label] = t
     best = {label: min((p[label], n) for n, p in by_plan.items() if label in p) for label in ("original", "regrouped")}
-    group = int(re.search(r"_q(\d+)k", best["regrouped"][1]).group(1)) // bq
-    natural = torch.arange(blocks.shape[1], device=device).expand(blocks.shape[0], -1)
+    group = max(1, next(plan.tile_q for _, plan, _, _ in entries if plan.name == best["regrouped"][1]) // bq)
+    natural = natural_order(blocks)
     active = int(blocks.sum())
     waste = {label: float(scheduled_key_blocks(blocks, order, group).sum()) * group / active
              for label, order in (("original", natural), ("regrouped", perms[group]))}
