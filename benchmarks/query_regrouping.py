@@ -32,6 +32,7 @@ import torch
 from tessera_diffusers import LogicalMask, build_mask_state, prepare
 from tessera_diffusers.corpus import enumerate_cases
 from tessera_diffusers.corpus.grids import grid_named
+from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask_state import group_activity
 
 
@@ -40,8 +41,9 @@ def group_query_blocks(blocks: torch.Tensor, group: int, window: int = 64) -> to
     consecutive runs of ``group`` entries share few key blocks beyond their own (greedy, see the
     module docstring). Every head keeps whichever of this order and the natural one schedules
     fewer key blocks at this group size."""
-    if group < 1 or window < 1:
-        raise ValueError(f"group and window must be >= 1, got {group} and {window}")
+    for name, value in (("group", group), ("window", window)):
+        if value < 1:
+            raise InvalidArgumentError(name, "a positive number of query blocks", repr(value))
     heads, n_q, n_kv = blocks.shape
     device = blocks.device
     rows = torch.arange(heads, device=device)
@@ -94,7 +96,8 @@ def scheduled_key_blocks(blocks: torch.Tensor, perm: torch.Tensor, group: int) -
 def permuted_mask(mask: LogicalMask, perm: torch.Tensor) -> LogicalMask:
     """``mask`` with query-block row ``i`` of head ``h`` taken from row ``perm[h, i]`` (batch 1 masks)."""
     if mask.blocks.shape[0] != 1 or mask.seq_len_q % mask.block_q:
-        raise ValueError("query regrouping takes a batch-1 mask whose query length is a multiple of block_q")
+        raise InvalidArgumentError("mask", "a batch-1 mask whose query length is a multiple of block_q",
+                                   f"batch {mask.blocks.shape[0]}, seq_len_q {mask.seq_len_q}, block_q {mask.block_q}")
     blocks = mask.blocks[0]
     index = perm[..., None].expand(-1, -1, blocks.shape[-1])
     return LogicalMask(blocks.gather(1, index)[None], mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv)
