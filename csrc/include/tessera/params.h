@@ -48,6 +48,9 @@ typedef struct TesseraAttnParams {
   int32_t* task_counter; // persistent grids of the Hopper family: one device int32 the launch zeroes
                          // and the CTAs take their next task from (dynamic scheduling); NULL: each
                          // CTA takes every grid_size-th task (static striding)
+  const int32_t* q_units;  // grouped query layout: [Bm, Hm, nQT * kq], the query unit (of q_unit rows)
+                           // at position a of query tile t is q_units[.., t * kq + a], -1 for none;
+                           // NULL: the natural layout (unit t * kq + a). Hopper family only.
 } TesseraAttnParams;
 
 // Split-K merge: o_partial/lse_partial -> o (and lse when not NULL).
@@ -125,6 +128,19 @@ typedef struct TesseraMaskCountsParams {
   int32_t* row_counts;   // device [Bm, Hm, nQ] out: active blocks per row, or NULL
 } TesseraMaskCountsParams;
 
+// Query-block grouping for the grouped query layout (tessera_diffusers/regroup.py, algorithm in its
+// docstring): per (mb, mh) mask head, an order of the query blocks in which each run of `group`
+// consecutive entries (one query tile) shares few key blocks beyond its own.
+typedef struct TesseraGroupParams {
+  TesseraBlockMask mask;
+  int32_t group;         // g: query blocks per query tile (>= 1)
+  int32_t window;        // W: a group's candidates are the free blocks within W after its seed (>= 1)
+  int32_t num_slots;     // ceil(nQ / g) * g: entries per head of q_units
+  int32_t* q_units;      // [Bm, Hm, num_slots] out: query block per position, -1 past the last block
+  int64_t* key_blocks;   // [Bm, Hm, 2] out or NULL: key blocks summed over the groups of the natural
+                         // order and of the greedy order (the head keeps the greedy one only when fewer)
+} TesseraGroupParams;
+
 // Sizes of the structs above (tessera_struct_bytes), so a mirror can check its layout.
 enum TesseraStruct {
   TESSERA_STRUCT_ATTN = 0,
@@ -132,6 +148,7 @@ enum TesseraStruct {
   TESSERA_STRUCT_BLOCK_MASK = 2,
   TESSERA_STRUCT_PREPARE = 3,
   TESSERA_STRUCT_MASK_COUNTS = 4,
+  TESSERA_STRUCT_GROUP = 5,
 };
 
 // Library introspection (the manifest the runtime checks against its kernel table).
@@ -161,9 +178,11 @@ int tessera_prepare_fill(const TesseraPrepareParams* params, void* stream);
 // Mask statistics (see TesseraMaskCountsParams); with host_counts not NULL it also copies the
 // TESSERA_MASK_COUNT_SLOTS counts to the host (a sync of `stream`).
 int tessera_mask_counts(const TesseraMaskCountsParams* params, int64_t* host_counts, void* stream);
+// Query-block grouping (see TesseraGroupParams), no sync. Returns a cudaError_t value.
+int tessera_group_query_blocks(const TesseraGroupParams* params, void* stream);
 
 #ifdef __cplusplus
 }
 #endif
 
-#define TESSERA_ABI_VERSION 3
+#define TESSERA_ABI_VERSION 4

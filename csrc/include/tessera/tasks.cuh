@@ -49,6 +49,16 @@ __device__ __forceinline__ Task decode_task(const TesseraAttnParams& p, int64_t 
   return t;
 }
 
+// Token row of row r of task t's query tile: the tile's own rows in the natural layout; in the
+// grouped one (p.q_units), row r % q_unit of the query unit that q_units puts at position
+// r / q_unit, or -1 where the position holds none (the last tile of a head).
+template <int kTileQ>
+__device__ __forceinline__ int query_row(const TesseraAttnParams& p, const Task& t, int r) {
+  if (p.q_units == nullptr) return t.q_tile * kTileQ + r;
+  const int unit = __ldg(p.q_units + t.meta_row * (kTileQ >> p.q_unit_log2) + (r >> p.q_unit_log2));
+  return unit < 0 ? -1 : (unit << p.q_unit_log2) + (r & ((1 << p.q_unit_log2) - 1));
+}
+
 // Per-stage description of the KV tile in flight, written by the loader, read by the compute.
 template <int kMaxSlots>
 struct TileMeta {

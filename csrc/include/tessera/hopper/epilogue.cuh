@@ -1,6 +1,6 @@
 // Hopper epilogue: normalize the output accumulator by the row sums and store O (or the split-K
 // partial) and the log-sum-exp straight from the wgmma accumulator registers. Rows with no active
-// key get 0 and -inf.
+// key get 0 and -inf. A tile row goes to its token row (query_row: the grouped layout scatters).
 #pragma once
 #include "tessera/hopper/traits.cuh"
 #include "tessera/params.h"
@@ -16,8 +16,11 @@ __device__ __forceinline__ void store_output(const TesseraAttnParams& p, const T
                                              const CoordO& coords, const int (&row_of_half)[2]) {
   using Element = typename T::Element;
   float inv[2], lse[2];
+  int out_row[2];  // token rows of this thread's two row halves (-1: none)
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
+    out_row[half] = query_row<T::kTileQ>(p, t, row_of_half[half]);
+    if (out_row[half] >= p.seq_q) out_row[half] = -1;
     float sum = row_sum[half];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -33,9 +36,9 @@ __device__ __forceinline__ void store_output(const TesseraAttnParams& p, const T
   CUTE_UNROLL
   for (int e = 0; e < size(o); e += 2) {
     const int half = (e >> 1) & 1;
-    const int row = t.q_tile * T::kTileQ + int(get<0>(coords(e)));
+    const int row = out_row[half];
     const int col = int(get<1>(coords(e)));
-    if (row >= p.seq_q) continue;
+    if (row < 0) continue;
     const float v0 = o(e) * inv[half], v1 = o(e + 1) * inv[half];
     if (split) {
       const int64_t part = int64_t(t.split) * rows_per_split + (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
@@ -55,8 +58,8 @@ __device__ __forceinline__ void store_output(const TesseraAttnParams& p, const T
   if ((threadIdx.x & 3) == 0) {
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
-      const int row = t.q_tile * T::kTileQ + row_of_half[half];
-      if (row >= p.seq_q) continue;
+      const int row = out_row[half];
+      if (row < 0) continue;
       const int64_t bh_row = (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
       if (split)
         p.lse_partial[int64_t(t.split) * rows_per_split + bh_row] = lse[half];

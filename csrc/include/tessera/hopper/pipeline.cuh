@@ -27,7 +27,8 @@ using Barrier = cutlass::arch::ClusterBarrier;
 using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
 // TMA descriptors of one launch, passed as a __grid_constant__ kernel parameter. Q boxes are
-// kTileQ rows, K and V boxes kv_unit rows (both 64 head-dim columns, 128-byte swizzle).
+// kTileQ rows (q_unit rows in the grouped query layout), K and V boxes kv_unit rows (both 64
+// head-dim columns, 128-byte swizzle).
 struct alignas(64) TmaDescriptors {
   CUtensorMap q, k, v;
 };
@@ -118,10 +119,23 @@ __device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaD
   constexpr int kHalves = T::kHeadDim / 64;
   const int unit = 1 << p.kv_unit_log2;
   TxBarrier::arrive_and_expect_tx(&bar.q_full, T::kTileQ * T::kHeadDim * int(sizeof(Element)));
-  CUTE_UNROLL
-  for (int dh = 0; dh < kHalves; ++dh)
-    SM90_TMA_LOAD_4D::copy(&tma.q, &bar.q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                           q_smem + dh * T::kTileQ * 64, dh * 64, t.q_tile * T::kTileQ, t.h, t.b);
+  if (p.q_units == nullptr) {
+    CUTE_UNROLL
+    for (int dh = 0; dh < kHalves; ++dh)
+      SM90_TMA_LOAD_4D::copy(&tma.q, &bar.q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                             q_smem + dh * T::kTileQ * 64, dh * 64, t.q_tile * T::kTileQ, t.h, t.b);
+  } else {  // grouped layout: one box of q_unit rows per query unit, at the unit's token rows
+    const int q_unit = 1 << p.q_unit_log2;
+    const int kq = T::kTileQ >> p.q_unit_log2;
+    const int32_t* units = p.q_units + t.meta_row * kq;
+    for (int a = 0; a < kq; ++a) {
+      const int row = max(__ldg(units + a), 0) << p.q_unit_log2;  // no unit: rows of unit 0, never stored
+      CUTE_UNROLL
+      for (int dh = 0; dh < kHalves; ++dh)
+        SM90_TMA_LOAD_4D::copy(&tma.q, &bar.q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                               q_smem + dh * T::kTileQ * 64 + a * q_unit * 64, dh * 64, row, t.h, t.b);
+    }
+  }
   for (int tile = t.tile_begin; tile < t.tile_end; ++tile) {
     const int32_t* slots = tile_slots(p, t, tile);
     int start[T::kMaxSlots];
@@ -224,7 +238,9 @@ int make_tma_descriptors(const TesseraAttnParams& p, TmaDescriptors& d) {
                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   };
   const int unit = 1 << p.kv_unit_log2;
-  if (one(&d.q, p.q, p.q_stride, p.seq_q, T::kTileQ) != CUDA_SUCCESS ||
+  const int q_rows = p.q_units != nullptr ? 1 << p.q_unit_log2 : T::kTileQ;  // grouped: a box per query unit
+  if (q_rows % 8 != 0 || q_rows > T::kTileQ) return int(cudaErrorInvalidValue);  // whole 8-row swizzle atoms
+  if (one(&d.q, p.q, p.q_stride, p.seq_q, q_rows) != CUDA_SUCCESS ||
       one(&d.k, p.k, p.k_stride, p.seq_kv, unit) != CUDA_SUCCESS ||
       one(&d.v, p.v, p.v_stride, p.seq_kv, unit) != CUDA_SUCCESS)
     return int(cudaErrorInvalidValue);  // strides or base not 16-byte aligned, or a box past the limits

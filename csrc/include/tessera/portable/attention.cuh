@@ -24,7 +24,6 @@ __device__ __forceinline__ void load_q_tile(const TesseraAttnParams& p, const Ta
                                             typename T::Element* sQ) {
   using Element = typename T::Element;
   const Element* q = static_cast<const Element*>(p.q);
-  const int row0 = t.q_tile * T::kTileQ;
   constexpr int kIters = T::kTileQ * T::kChunksPerRow / T::kThreads;
   constexpr int kRowStep = T::kThreads / T::kChunksPerRow;
   const int chunk = threadIdx.x % T::kChunksPerRow, row_in = threadIdx.x / T::kChunksPerRow;
@@ -32,8 +31,8 @@ __device__ __forceinline__ void load_q_tile(const TesseraAttnParams& p, const Ta
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int row = row_in + i * kRowStep;
-    const int token = row0 + row;
-    const bool ok = token < p.seq_q;
+    const int token = tessera::query_row<T::kTileQ>(p, t, row);
+    const bool ok = token >= 0 && token < p.seq_q;
     cp_async_16(smem_addr(sQ + swizzled<T>(row, chunk)), base + int64_t(ok ? token : 0) * p.q_stride[1], ok ? 16 : 0);
   }
 }
@@ -257,8 +256,8 @@ __device__ __forceinline__ void store_tile(const TesseraAttnParams& p, const Tas
       const bool has_key = sum > 0.f;
       const float inv = has_key ? 1.f / sum : 0.f;
       const float lse = tessera::row_lse(state.max[m][half], sum);
-      const int row = t.q_tile * T::kTileQ + warp_row0 + m * 16 + g + 8 * half;
-      if (row >= p.seq_q) continue;
+      const int row = tessera::query_row<T::kTileQ>(p, t, warp_row0 + m * 16 + g + 8 * half);
+      if (row < 0 || row >= p.seq_q) continue;
       const int64_t bh_row = (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
       if (split) {
         const int64_t part = int64_t(t.split) * p.batch * p.heads * p.seq_q + bh_row;
