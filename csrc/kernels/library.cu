@@ -5,6 +5,7 @@
 #include "tessera/merge.cuh"
 #include "tessera/params.h"
 #include "tessera/prepare.cuh"
+#include "tessera/regroup.cuh"
 #include "registry.inc"  // generated: declarations + TESSERA_KERNEL_ENTRIES
 
 namespace {
@@ -58,6 +59,11 @@ int tessera_mask_counts(const TesseraMaskCountsParams* params, int64_t* host_cou
   return tessera::prep::launch_mask_counts(*params, host_counts, static_cast<cudaStream_t>(stream));
 }
 
+int tessera_group_query_blocks(const TesseraGroupParams* params, void* stream) {
+  if (params == nullptr) return int(cudaErrorInvalidValue);
+  return tessera::regroup::launch_group_query_blocks(*params, static_cast<cudaStream_t>(stream));
+}
+
 const char* tessera_error_string(int error) { return cudaGetErrorString(static_cast<cudaError_t>(error)); }
 
 int tessera_struct_bytes(int which) {
@@ -67,6 +73,7 @@ int tessera_struct_bytes(int which) {
     case TESSERA_STRUCT_BLOCK_MASK: return int(sizeof(TesseraBlockMask));
     case TESSERA_STRUCT_PREPARE: return int(sizeof(TesseraPrepareParams));
     case TESSERA_STRUCT_MASK_COUNTS: return int(sizeof(TesseraMaskCountsParams));
+    case TESSERA_STRUCT_GROUP: return int(sizeof(TesseraGroupParams));
     default: return -1;
   }
 }

@@ -1,0 +1,235 @@
+"""Query-block grouping for the grouped query layout: per mask head, an order of the query blocks in
+which each run of ``group`` consecutive entries (one query tile of ``group`` blocks) shares few key
+blocks beyond its own.
+
+A query tile schedules the union of its rows' key blocks. In the natural order a tile holds blocks
+``t * g .. t * g + g - 1``; where neighbouring rows differ (temporal heads, strided windows) that
+union is much larger than any one row. Gathering alike rows into a tile shrinks it.
+
+The algorithm (``csrc/include/tessera/regroup.cuh`` implements exactly this, bit for bit): per mask
+head ``(mb, mh)``, row ``i < nQ`` has the key set ``{j : blocks[mb, mh, i, j]}``; ``g = group``,
+``W = window``.
+
+    free[i] = true for every i; written = 0; seed = 0
+    while written < nQ:
+        seed = first free i >= seed            (from the previous seed on: the scan only moves forward)
+        take seed: q_units[written] = seed; union = row[seed]
+        n = min(g, nQ - written)
+        for k in 1 .. n - 1:
+            candidates = free c with seed < c <= seed + W and c < nQ
+            if any: pick = the candidate with the fewest key blocks outside union
+                           (popcount(row[c] & ~union)); ties: the lowest c
+            else:   pick = the first free c > seed
+            take pick: q_units[written + k] = pick; union |= row[pick]
+        greedy += popcount(union); written += n
+    q_units[nQ .. num_slots) = -1                (num_slots = ceil(nQ / g) * g)
+    natural = sum over the groups {t * g .. t * g + g - 1} (clipped at nQ) of popcount(their union)
+    if natural <= greedy: q_units[i] = i for i < nQ (the natural order wins ties)
+    key_blocks = (natural, greedy)
+
+``g = 1`` gives the natural order. ``group_query_blocks`` runs the CUDA kernel for a CUDA tensor
+when the loaded library has it and ``TESSERA_NATIVE_PREPARE`` is not ``"0"``; otherwise (and for a
+window of rows too large for the kernel's shared memory) the torch code, which is the CPU path and
+the oracle (``tests/test_regroup_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from . import ops
+from .errors import CatalogError, InvalidArgumentError, describe_tensor
+from .mask_state import group_activity
+from .native_prepare import (
+    TesseraBlockMask,
+    block_mask_struct,
+    native_library,
+    native_path_enabled,
+    on_device,
+    stream_handle,
+)
+
+DEFAULT_WINDOW = 64  # query blocks after a group's seed it may take
+STRUCT_GROUP = 5  # TESSERA_STRUCT_GROUP of params.h
+CUDA_ERROR_INVALID_CONFIGURATION = 9  # the kernel's window of packed rows does not fit in shared memory
+
+
+class TesseraGroupParams(ctypes.Structure):
+    """Mirror of ``TesseraGroupParams`` in params.h."""
+
+    _fields_ = [
+        ("mask", TesseraBlockMask),
+        ("group", ctypes.c_int32),
+        ("window", ctypes.c_int32),
+        ("num_slots", ctypes.c_int32),
+        ("q_units", ctypes.c_void_p),
+        ("key_blocks", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class QueryGrouping:
+    """The order of the query blocks of each mask head and what it schedules."""
+
+    q_units: torch.Tensor  # [Bm, Hm, num_slots] int32: query block per position, -1 past the last
+    key_blocks: torch.Tensor  # [Bm, Hm, 2] int64: key blocks summed over the groups, (natural, greedy)
+
+
+def check_arguments(blocks: torch.Tensor, group: int, window: int) -> None:
+    if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4 or blocks.numel() == 0:
+        raise InvalidArgumentError("blocks", "a non-empty [Bm, Hm, nQ, nKV] bool tensor", describe_tensor(blocks))
+    for name, value in (("group", group), ("window", window)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(name, "a positive number of query blocks", repr(value))
+
+
+def num_slots(rows: int, group: int) -> int:
+    """Entries per head of ``q_units``: whole groups of ``group``."""
+    return math.ceil(rows / group) * group
+
+
+def natural_units(rows: int, slots: int, device: torch.device) -> torch.Tensor:
+    """``[slots]`` int64: ``0 .. rows - 1``, then -1."""
+    units = torch.arange(slots, device=device)
+    return torch.where(units < rows, units, -1)
+
+
+def group_query_blocks_torch(blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW) -> QueryGrouping:
+    """The grouping of ``blocks`` ``[Bm, Hm, nQ, nKV]`` (bool, any strides) in torch: the heads side by
+    side, one pick at a time. Each candidate's count of key blocks outside the union is kept and
+    lowered by the blocks each pick adds (exact integers, so the same picks as recounting)."""
+    check_arguments(blocks, group, window)
+    bm, hm, n_q, n_kv = blocks.shape
+    device = blocks.device
+    rows = blocks.reshape(bm * hm, n_q, n_kv)  # [G, nQ, nKV]
+    heads = rows.shape[0]
+    head = torch.arange(heads, device=device)
+    positions = torch.arange(n_q, device=device)
+    ahead = torch.arange(1, min(window, n_q - 1) + 1, device=device)  # [W'] candidate offsets from the seed
+    slots = num_slots(n_q, group)
+    order = torch.full((heads, slots), -1, dtype=torch.int64, device=device)
+    free = torch.ones(heads, n_q, dtype=torch.bool, device=device)
+    seed = torch.zeros(heads, dtype=torch.int64, device=device)
+    greedy = torch.zeros(heads, dtype=torch.int64, device=device)
+    for start in range(0, n_q, group):
+        size = min(group, n_q - start)
+        seed = (free & (positions >= seed[:, None])).int().argmax(1)  # argmax: the first free one
+        free[head, seed] = False
+        order[:, start] = seed
+        union = rows[head, seed]  # [G, nKV]
+        if size > 1:
+            candidates = seed[:, None] + ahead  # [G, W']
+            in_range = candidates < n_q
+            candidates = candidates.clamp(max=n_q - 1)
+            candidate_rows = rows[head[:, None], candidates]  # [G, W', nKV]
+            outside = (candidate_rows & ~union[:, None]).sum(-1)  # [G, W'] key blocks outside the union
+            for k in range(1, size):
+                open_ = free.gather(1, candidates) & in_range
+                best = torch.where(open_, outside, n_kv + 1).argmin(1)  # argmin: the lowest c of a tie
+                first_after = (free & (positions > seed[:, None])).int().argmax(1)
+                pick = torch.where(open_.any(1), candidates[head, best], first_after)
+                free[head, pick] = False
+                order[:, start + k] = pick
+                added = rows[head, pick] & ~union
+                union = union | added
+                outside -= (candidate_rows & added[:, None]).sum(-1)
+        greedy += union.sum(-1)
+    natural = group_activity(rows, group, dim=-2).sum((-2, -1))
+    order = torch.where((natural <= greedy)[:, None], natural_units(n_q, slots, device), order)
+    return QueryGrouping(
+        q_units=order.to(torch.int32).view(bm, hm, slots),
+        key_blocks=torch.stack([natural, greedy], -1).view(bm, hm, 2),
+    )
+
+
+@cache
+def grouping_library() -> ops.NativeLibrary | None:
+    """The kernel library with ``tessera_group_query_blocks`` typed, or None where it lacks it.
+    Raises ``CatalogError`` if the struct's mirror differs in size from the library's."""
+    lib = native_library()
+    if lib is None:
+        return None
+    handle = lib.handle
+    try:
+        handle.tessera_group_query_blocks.argtypes = [ctypes.POINTER(TesseraGroupParams), ctypes.c_void_p]
+    except AttributeError:
+        return None
+    native_bytes = handle.tessera_struct_bytes(STRUCT_GROUP)
+    if native_bytes != ctypes.sizeof(TesseraGroupParams):
+        raise CatalogError(f"{lib.path}: TesseraGroupParams has {native_bytes} bytes, its mirror in regroup.py "
+                           f"{ctypes.sizeof(TesseraGroupParams)}; rebuild the library")
+    return lib
+
+
+def native_grouping_enabled(device: torch.device) -> bool:
+    """Whether masks on ``device`` are grouped by the CUDA kernel (see ``native_path_enabled``)."""
+    return native_path_enabled(device) and grouping_library() is not None
+
+
+def group_query_blocks_native(blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW) -> QueryGrouping:
+    """``group_query_blocks_torch`` in the native library: one allocation and one launch, no sync.
+    A window of packed rows too large for the kernel's shared memory takes the torch code."""
+    check_arguments(blocks, group, window)
+    device = blocks.device
+    if device.type != "cuda":
+        raise InvalidArgumentError("blocks", "a CUDA tensor for the native path", f"device {device}")
+    lib = grouping_library()
+    if lib is None:
+        raise CatalogError("the native library has no tessera_group_query_blocks: rebuild it with "
+                           "`python csrc/build_native.py`, or set TESSERA_NATIVE_PREPARE=0")
+    bm, hm, n_q, _ = blocks.shape
+    heads, slots = bm * hm, num_slots(n_q, group)
+    p = TesseraGroupParams()
+    p.mask = block_mask_struct(blocks)
+    # Past nQ - 1 a wider window changes nothing: the clamp keeps any Python int within int32.
+    p.group, p.window, p.num_slots = group, min(window, n_q), slots
+    with on_device(device):
+        buffer = torch.empty(2 * heads + (heads * slots + 1) // 2, dtype=torch.int64, device=device)
+        key_blocks = buffer[:2 * heads].view(bm, hm, 2)
+        q_units = buffer.view(torch.int32)[4 * heads:4 * heads + heads * slots].view(bm, hm, slots)
+        p.q_units, p.key_blocks = q_units.data_ptr(), key_blocks.data_ptr()
+        code = lib.handle.tessera_group_query_blocks(ctypes.byref(p), stream_handle(device))
+    if code == CUDA_ERROR_INVALID_CONFIGURATION:
+        return group_query_blocks_torch(blocks, group, window)
+    lib.check(code, "native query grouping")
+    return QueryGrouping(q_units=q_units, key_blocks=key_blocks)
+
+
+def query_grouping(
+    blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW, *, native: bool | None = None
+) -> QueryGrouping:
+    """The grouping of ``blocks`` ``[Bm, Hm, nQ, nKV]`` bool: ``native`` True / False forces the CUDA
+    kernel / the torch code; None picks the kernel where ``native_grouping_enabled``."""
+    check_arguments(blocks, group, window)
+    if native is None:
+        native = native_grouping_enabled(blocks.device)
+    return group_query_blocks_native(blocks, group, window) if native else group_query_blocks_torch(
+        blocks, group, window)
+
+
+def group_query_blocks(
+    blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW, *, native: bool | None = None
+) -> torch.Tensor:
+    """``q_units`` ``[Bm, Hm, ceil(nQ / group) * group]`` int32 on ``blocks``' device: per mask head,
+    the query block at each position of the grouped layout (module docstring), -1 past the last."""
+    return query_grouping(blocks, group, window, native=native).q_units
+
+
+def permuted_blocks(blocks: torch.Tensor, q_units: torch.Tensor) -> torch.Tensor:
+    """``[Bm, Hm, num_slots, nKV]`` bool: row ``i`` of each head is ``blocks``' row ``q_units[.., i]``,
+    empty where that is -1. ``blocks`` may be expanded (stride 0)."""
+    if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4:
+        raise InvalidArgumentError("blocks", "a [Bm, Hm, nQ, nKV] bool tensor", describe_tensor(blocks))
+    bm, hm, _, n_kv = blocks.shape
+    if (not isinstance(q_units, torch.Tensor) or q_units.dim() != 3 or tuple(q_units.shape[:2]) != (bm, hm)
+            or q_units.dtype not in (torch.int32, torch.int64) or q_units.device != blocks.device):
+        raise InvalidArgumentError("q_units", f"a [{bm}, {hm}, num_slots] integer tensor on {blocks.device}",
+                                   describe_tensor(q_units))
+    index = q_units.long()
+    rows = blocks.gather(2, index.clamp(min=0)[..., None].expand(-1, -1, -1, n_kv))
+    return rows & (index >= 0)[..., None]
