@@ -148,8 +148,7 @@ def kernel_alone(prepared: PreparedPlan, q, k, v, scale: float, reps: int) -> di
     """CUDA-event time of the bare launch (template built, output allocated beforehand): back to
     back, and each after a sync and an idle host pause of 1 ms."""
     out, lse, workspace, _ = ops.output_buffers(q, prepared.plan.tasks.num_splits, False)
-    metadata = (prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order)
-    template = ops.launch_template(q, k, metadata, prepared.plan.kernel.name, prepared.launch_config(), scale,
+    template = ops.launch_template(q, k, prepared.metadata, prepared.plan.kernel.name, prepared.launch_config(), scale,
                                    (q.stride(), k.stride(), v.stride(), out.stride()))
     p, m = template.fill(q, k, v, out, lse, workspace)
 

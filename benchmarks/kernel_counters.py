@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.static and plan.tasks.persistent and args.reps > 0:
                 static = partial(
                     torch.ops.tessera.sparse_attention_fwd, q, k, v, prepared.tile_counts, prepared.tile_slots,
-                    prepared.tile_member, prepared.q_order, plan.kernel.name, prepared.launch_config(), scale)
+                    prepared.tile_member, prepared.q_order, plan.kernel.name, prepared.launch_config(), scale,
+                    prepared.q_units)
                 static()
                 ms = timed_ms(static, args.reps)
                 print(f"{spec:<32} {density:7.3f} {plan.name + ' (static)':<72} {ms:7.3f} {flops / ms / 1e9:6.0f}",

@@ -17,7 +17,7 @@ from .errors import (
 )
 from .mask import LogicalMask
 from .mask_state import MaskState, Stat, build_mask_state
-from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization, Traversal
+from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, QLayout, Request, TaskOrganization, Traversal
 from .prepare import PreparedPlan, prepare
 from .runtime import Runtime, block_sparse_attention
 
@@ -37,6 +37,7 @@ __all__ = [
     "PhysicalPlan",
     "PlanTableError",
     "PreparedPlan",
+    "QLayout",
     "Request",
     "Runtime",
     "Stat",

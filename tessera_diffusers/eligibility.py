@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .plans import MEMBERSHIP_BITS, Family, KvLayout, PhysicalPlan, Request, arch_number
+from .plans import MEMBERSHIP_BITS, Family, KvLayout, PhysicalPlan, QLayout, Request, arch_number
 
 Predicate = Callable[[PhysicalPlan, Request], "str | None"]
 
@@ -73,6 +73,12 @@ def packing_has_room(plan: PhysicalPlan, req: Request) -> str | None:
     return None
 
 
+def grouping_applies(plan: PhysicalPlan, req: Request) -> str | None:
+    if plan.q_layout is QLayout.GROUPED and not plan.can_group_queries:
+        return f"the grouped query layout needs tiles of several whole blocks, tile_q {plan.tile_q} over block_q {plan.block_q}"
+    return None
+
+
 def splits_are_useful(plan: PhysicalPlan, req: Request) -> str | None:
     ns = plan.tasks.num_splits
     if ns < 1:
@@ -91,6 +97,7 @@ PREDICATES: tuple[Predicate, ...] = (
     fits_shared_memory,
     membership_fits,
     packing_has_room,
+    grouping_applies,
     splits_are_useful,
 )
 

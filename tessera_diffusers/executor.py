@@ -2,7 +2,8 @@
 
 It is the CPU twin of the CUDA kernels: the same tiles, the same membership masking, the same
 online softmax and the same split-K partial states and merge. Query tiles are processed together
-(vectorized), KV tile positions one after another.
+(vectorized), KV tile positions one after another. In the grouped query layout a tile's rows are
+gathered from their tokens first and its outputs scattered back, as the kernels do.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 
 import torch
 
-from .prepare import PreparedPlan
+from .prepare import PreparedPlan, query_rows
 
 NEG_INF = -math.inf
 
@@ -32,13 +33,27 @@ def run_prepared(
     o_parts = torch.zeros(ns, batch, heads, seq_q, head_dim, dtype=torch.float32, device=q.device)
     lse_parts = torch.full((ns, batch, heads, seq_q), NEG_INF, dtype=torch.float32, device=q.device)
     mask = prepared.mask
+    grouped = prepared.q_units is not None
+    if grouped:  # token row of each tile row, -1 for none (the kernels' query_row)
+        rows = query_rows(prepared.q_units, prepared.plan.q_unit, seq_q)  # [Bm, Hm, nQT * tile_q]
     for b in range(batch):
         for h in range(heads):
             mb, mh = (b if mask.batch > 1 else 0), (h if mask.heads > 1 else 0)
+            qh = q[b, :, h]
+            if grouped:
+                valid = rows[mb, mh] >= 0
+                token = rows[mb, mh][valid]
+                qh = q.new_zeros(rows.shape[-1], head_dim)
+                qh[valid] = q[b, token, h]
             for split in range(ns):
-                o, lse = run_head(prepared, q[b, :, h], k[b, :, h], v[b, :, h], scale, mb, mh, split)
-                o_parts[split, b, h] = o
-                lse_parts[split, b, h] = lse
+                o, lse = run_head(prepared, qh, k[b, :, h], v[b, :, h], scale, mb, mh, split)
+                if grouped:  # tile rows back to their tokens
+                    o, lse = o[valid], lse[valid]
+                    o_parts[split, b, h, token] = o
+                    lse_parts[split, b, h, token] = lse
+                else:
+                    o_parts[split, b, h] = o
+                    lse_parts[split, b, h] = lse
     out, lse = merge_splits(o_parts, lse_parts)  # [B, H, Sq, D], [B, H, Sq]
     out = out.transpose(1, 2).to(q.dtype)
     return (out, lse) if return_lse else out

@@ -23,7 +23,7 @@ from .plans import Family, KernelSpec, PhysicalPlan
 from .prepare import PreparedPlan, WorkspaceLayout
 
 LIBRARY_FILE = "libtessera_kernels.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -62,6 +62,7 @@ class TesseraAttnParams(ctypes.Structure):
         ("q_order", ctypes.c_void_p),
         ("scale_log2", ctypes.c_float),
         ("task_counter", ctypes.c_void_p),
+        ("q_units", ctypes.c_void_p),
     ]
 
 
@@ -177,14 +178,17 @@ def sparse_attention_fwd(
     kernel: str,
     config: list[int],
     scale: float,
+    q_units: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Functional op: returns (out ``[B, Sq, H, D]``, lse ``[B, H, Sq]`` fp32).
 
     ``kernel`` is a catalog kernel name; ``config = [num_q_tiles, capacity, slots, q_unit_log2,
-    kv_unit_log2, num_splits, persistent]`` (see ``PreparedPlan.launch_config``)."""
+    kv_unit_log2, num_splits, persistent]`` (see ``PreparedPlan.launch_config``); ``q_units``: the
+    grouped query layout's units (``PreparedPlan.q_units``), None for the natural layout."""
     q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
     out, lse, workspace, _ = output_buffers(q, config[5], True)
-    launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, out, lse, workspace)
+    launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, out, lse, workspace,
+           q_units)
     return out, lse
 
 
@@ -214,7 +218,7 @@ def output_with_counter(q: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 @sparse_attention_fwd.register_fake
-def _(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale):
+def _(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, q_units=None):
     batch, seq_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
@@ -231,11 +235,13 @@ class LaunchTemplate:
     merge: TesseraMergeParams | None  # split-K merge (num_splits > 1)
 
     def bind(self, metadata: tuple[torch.Tensor, ...]) -> LaunchTemplate:
-        """A copy with the metadata pointers of (tile_counts, tile_slots, tile_member, q_order)."""
+        """A copy with the metadata pointers of (tile_counts, tile_slots, tile_member, q_order, q_units)
+        (``PreparedPlan.metadata``; q_units None: the natural query layout)."""
         p = TesseraAttnParams.from_buffer_copy(self.params)
-        tile_counts, tile_slots, tile_member, q_order = metadata
+        tile_counts, tile_slots, tile_member, q_order, q_units = metadata
         p.tile_counts, p.tile_slots = tile_counts.data_ptr(), tile_slots.data_ptr()
         p.tile_member, p.q_order = tile_member.data_ptr(), q_order.data_ptr()
+        p.q_units = q_units.data_ptr() if q_units is not None else None
         return LaunchTemplate(self.kernel_id, p, self.merge)
 
     def fill(self, q, k, v, out, lse, workspace, task_counter: int | None = None
@@ -259,7 +265,7 @@ class LaunchTemplate:
 def launch_template(q: torch.Tensor, k: torch.Tensor, metadata: tuple[torch.Tensor, ...], kernel: str,
                     config: list[int], scale: float, strides: tuple[tuple[int, ...], ...]) -> LaunchTemplate:
     """The fixed part of a launch (see ``LaunchTemplate``), bound to ``metadata`` = (tile_counts,
-    tile_slots, tile_member, q_order); ``strides`` = the (b, s, h) strides of q, k, v and the output."""
+    tile_slots, tile_member, q_order, q_units); ``strides`` = the (b, s, h) strides of q, k, v and the output."""
     key = (kernel, tuple(config), tuple(q.shape), k.shape[1], tuple(metadata[0].shape[:2]), strides,
            q.dtype, q.device.index or 0, scale)
     return unbound_template(*key).bind(metadata)
@@ -331,10 +337,12 @@ def launch(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None,
+    q_units: torch.Tensor | None = None,
 ) -> None:
     """Launch the attention kernel (and the split-K merge) on the current stream; no sync, no
-    allocation. q, k, v must be 16-byte aligned (``aligned``); out/lse/workspace sized by the caller."""
-    template = launch_template(q, k, (tile_counts, tile_slots, tile_member, q_order), kernel, config, scale,
+    allocation. q, k, v must be 16-byte aligned (``aligned``); out/lse/workspace sized by the caller;
+    ``q_units``: the grouped query layout's units, None for the natural layout."""
+    template = launch_template(q, k, (tile_counts, tile_slots, tile_member, q_order, q_units), kernel, config, scale,
                                (q.stride(), k.stride(), v.stride(), out.stride()))
     p, m = template.fill(q, k, v, out, lse, workspace)
     launch_filled(template, p, m, q.device)
@@ -367,7 +375,7 @@ def run_native(
     if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor for t in (q, k, v)):
         out, lse = torch.ops.tessera.sparse_attention_fwd(
             q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
-            spec.name, prepared.launch_config(), scale,
+            spec.name, prepared.launch_config(), scale, prepared.q_units,
         )
         return (out, lse) if return_lse else out
     return run_direct(prepared, q, k, v, scale, return_lse)
@@ -391,9 +399,8 @@ def run_direct(prepared, q, k, v, scale, return_lse):
     out, lse, workspace, counter = output_buffers(q, prepared.plan.tasks.num_splits, return_lse,
                                                   dynamic_schedule(prepared.plan))
     if template is None:
-        metadata = (prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order)
         template = templates[key] = launch_template(
-            q, k, metadata, prepared.plan.kernel.name, prepared.launch_config(), scale,
+            q, k, prepared.metadata, prepared.plan.kernel.name, prepared.launch_config(), scale,
             (q.stride(), k.stride(), v.stride(), out.stride()),
         )
     p, m = template.fill(q, k, v, out, lse, workspace, counter)

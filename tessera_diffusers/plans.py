@@ -3,7 +3,9 @@
 - ``g_Q``, ``g_KV``: the mapping of each axis, fixed by the physical tile size against the logical
   block size — direct (tile == block), coarsened (tile covers several blocks), refined (block split
   into several tiles), or, on the KV axis, packed (active blocks of a query tile gathered into
-  dense tiles). Ratios per axis are independent.
+  dense tiles). Ratios per axis are independent. A coarsened query axis may take its blocks in
+  the natural order or *grouped*: each head's query blocks regrouped by their key sets, so that a
+  tile's blocks share most of their key blocks (``QLayout``, ``regroup.py``).
 - ``sigma``: the task organization — traversal order, split-K count, persistent grid.
 - ``e``: the native implementation (a ``KernelSpec`` of the catalog).
 
@@ -12,6 +14,7 @@ All of these are frozen dataclasses with a deterministic ``.name``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -42,6 +45,13 @@ class KvLayout(str, Enum):
     PACKED = "packed"  # active KV units of the query tile gathered into dense tiles
 
 
+class QLayout(str, Enum):
+    """Which query blocks form a query tile (a coarsened query axis only)."""
+
+    NATURAL = "natural"  # query tile t holds the blocks t * g .. t * g + g - 1 (g blocks per tile)
+    GROUPED = "grouped"  # each head's blocks regrouped by their key sets first (regroup.py)
+
+
 class Traversal(str, Enum):
     """Order in which query tiles are handed to CTAs."""
 
@@ -54,6 +64,7 @@ class AxisMapping(str, Enum):
 
     DIRECT = "direct"
     COARSENED = "coarsened"
+    GROUPED = "grouped"  # (query axis) coarsened over blocks regrouped by key set
     REFINED = "refined"
     REGRIDDED = "regridded"  # neither divides the other; membership works at their gcd
     PACKED = "packed"
@@ -126,6 +137,7 @@ class PhysicalPlan:
     kv_layout: KvLayout
     tasks: TaskOrganization
     kernel: KernelSpec
+    q_layout: QLayout = QLayout.NATURAL
 
     @property
     def tile_q(self) -> int:
@@ -137,7 +149,18 @@ class PhysicalPlan:
 
     @property
     def q_mapping(self) -> AxisMapping:
+        if self.q_layout is QLayout.GROUPED:
+            return AxisMapping.GROUPED
         return axis_mapping(self.block_q, self.tile_q)
+
+    @property
+    def can_group_queries(self) -> bool:
+        """Whether a query tile covers several whole blocks, so that the grouped layout applies."""
+        return self.tile_q > self.block_q and self.tile_q % self.block_q == 0
+
+    def grouped(self) -> PhysicalPlan:
+        """This plan with the grouped query layout (``can_group_queries`` must hold)."""
+        return dataclasses.replace(self, q_layout=QLayout.GROUPED)
 
     @property
     def kv_mapping(self) -> AxisMapping:

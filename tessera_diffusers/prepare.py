@@ -31,6 +31,16 @@ Tensors (mask dims ``Bm, Hm`` are 1 where the mask broadcasts):
 No kernel reads the three run tensors (a launch passes the other four), so ``PreparedPlan`` computes
 them on first access.
 
+Grouped query layout (``QLayout.GROUPED``, a coarsened query axis: ``q_unit = block_q``, ``kq``
+blocks per tile). Each head's query blocks are first put in the order of ``regroup.py`` and the
+tensors above are those of the regrouped mask (block row ``i`` of head ``(mb, mh)`` is row
+``q_units[mb, mh, i]`` of the mask), plus
+
+    q_units      int32 [Bm, Hm, nQT * kq]       query unit at position a of query tile t: q_units[.., t * kq + a];
+                                                -1 where the position holds none (the last tile of a head)
+
+A kernel loads the query rows of a tile from, and stores its output rows to, those units' tokens.
+
 ``cap`` is at most ``ceil(ceil(Skv / kv_unit) / S)`` (trimmed to the longest list by default), ``capR = ceil(ceil(Skv / kv_unit) / 2)``. Tiles of a row are
 in ascending token order. Tokens at or past ``Skv`` are masked by the kernel (partial last block);
 query rows at or past ``Sq`` are never stored. A query unit past ``Sq`` has no membership bits.
@@ -46,6 +56,7 @@ first within the head.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -55,7 +66,7 @@ import torch
 from .errors import InvalidArgumentError
 from .mask import LogicalMask
 from .mask_state import MaskState, group_activity, native_path, set_flag_positions
-from .plans import MEMBERSHIP_BITS, KvLayout, PhysicalPlan, Traversal
+from .plans import MEMBERSHIP_BITS, KvLayout, PhysicalPlan, QLayout, Traversal
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,8 @@ class PreparedPlan:
     tile_slots: torch.Tensor  # [Bm, Hm, nQT, cap, S] int32
     tile_member: torch.Tensor  # [Bm, Hm, nQT, cap] int64
     q_order: torch.Tensor  # [Bm, Hm, nQT] int32
+    q_units: torch.Tensor | None = None  # [Bm, Hm, nQT * kq] int32: the grouped query layout, else None
+    layout_state: MaskState | None = None  # grouped: the regrouped mask the tile tensors describe
     # Mutable state behind the frozen fields: the deferred compaction, and the launch templates the
     # native launcher built for these tensors (``ops.run_direct``; dropped when ``settle`` moves them).
     compaction: DeferredCompaction = field(default_factory=DeferredCompaction, repr=False)
@@ -119,7 +132,7 @@ class PreparedPlan:
     @cached_property
     def runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(run_counts, run_starts, run_lengths)`` of every query tile (see the module docstring)."""
-        tile_any = unit_activity(self.plan, self.state).any(3)
+        tile_any = unit_activity(self.plan, self.layout_state or self.state).any(3)
         return unit_runs(tile_any, self.plan.kv_unit, self.mask.seq_len_kv)
 
     @property
@@ -133,6 +146,12 @@ class PreparedPlan:
     @property
     def run_lengths(self) -> torch.Tensor:  # [Bm, Hm, nQT, capR] int32
         return self.runs[2]
+
+    @property
+    def metadata(self) -> tuple[torch.Tensor, ...]:
+        """What a kernel launch reads: ``(tile_counts, tile_slots, tile_member, q_order, q_units)``
+        (``q_units`` None in the natural query layout)."""
+        return self.tile_counts, self.tile_slots, self.tile_member, self.q_order, self.q_units
 
     def workspace(self, batch: int, heads: int, head_dim: int) -> WorkspaceLayout:
         return WorkspaceLayout.of(self.plan.tasks.num_splits, batch, self.mask.seq_len_q, heads, head_dim)
@@ -248,6 +267,8 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -
     code below is the CPU path and the oracle: about twenty small tensor ops, the tile counts first
     so that the one sync of ``compact`` waits on little work, everything after it sized by the
     trimmed capacity."""
+    if plan.q_layout is QLayout.GROUPED:
+        return prepare_grouped(plan, state, compact)
     native = native_path(state.mask.blocks.device)
     defer = False
     if compact is None:
@@ -258,6 +279,37 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -
     if defer:  # queued by the first launch, after it (its host ops stay off the request's path)
         prepared.compaction.at_first_launch = True
     return prepared
+
+
+def prepare_grouped(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -> PreparedPlan:
+    """``prepare`` for the grouped query layout: each head's query blocks in the order of
+    ``regroup.group_query_blocks`` (on the mask's device, native on CUDA), then the natural-layout
+    metadata of the mask with its block rows in that order (see the module docstring)."""
+    from .regroup import group_query_blocks, permuted_blocks  # regroup reaches prepare through native_prepare
+
+    mask = state.mask
+    check_plan(plan, mask)
+    if not plan.can_group_queries:
+        raise InvalidArgumentError("plan", "a plan whose query tile covers several whole blocks for the grouped layout",
+                                   f"{plan.name}")
+    q_units = group_query_blocks(mask.blocks, plan.q_units_per_tile)
+    n_qt = q_units.shape[-1] // plan.q_units_per_tile
+    layout_mask = LogicalMask(permuted_blocks(mask.blocks, q_units), mask.block_q, mask.block_kv,
+                              n_qt * plan.tile_q, mask.seq_len_kv)
+    layout_state = MaskState(layout_mask)
+    natural = dataclasses.replace(plan, q_layout=QLayout.NATURAL)
+    inner = prepare(natural, layout_state, compact)
+    return dataclasses.replace(inner, plan=plan, state=state, q_units=q_units, layout_state=layout_state,
+                               compaction=inner.compaction, launch_templates={})
+
+
+def query_rows(q_units: torch.Tensor, q_unit: int, seq_len_q: int) -> torch.Tensor:
+    """Token row of every row of every query tile of the grouped layout, ``[..., nQT * tile_q]``
+    int64 from ``q_units [..., nQT * kq]``: -1 where the row holds no query (no unit, or past Sq)."""
+    offsets = torch.arange(q_unit, device=q_units.device)
+    rows = q_units.long()[..., None] * q_unit + offsets
+    rows = torch.where((q_units[..., None] >= 0) & (rows < seq_len_q), rows, -1)
+    return rows.flatten(-2)
 
 
 def worst_case_metadata_bytes(plan: PhysicalPlan, mask: LogicalMask) -> int:

@@ -139,7 +139,10 @@ def metadata_difference(got, want) -> str | None:
     for name in ("num_q_tiles", "capacity"):
         if getattr(got, name) != getattr(want, name):
             return f"{name} {getattr(got, name)} != {getattr(want, name)}"
-    for name in ("tile_counts", "tile_slots", "tile_member", "q_order"):
+    if (got.q_units is None) != (want.q_units is None):
+        return f"q_units {'set' if got.q_units is not None else 'None'}, expected the other"
+    names = ("tile_counts", "tile_slots", "tile_member", "q_order") + (("q_units",) if got.q_units is not None else ())
+    for name in names:
         a, b = getattr(got, name), getattr(want, name)
         if (a.dtype, a.shape) != (b.dtype, b.shape) or not a.is_contiguous():
             return f"{name}: {a.dtype} {tuple(a.shape)} contiguous={a.is_contiguous()}, expected {b.dtype} {tuple(b.shape)}"

@@ -35,13 +35,16 @@ def fixed_kernel(family: str, tile_q: int, tile_kv: int, head_dim: int, dtype: s
 
 def plans_to_check(kernel, block_q, block_kv):
     """Each layout with 1 and 3 splits, and a persistent grid with 3 splits (the Hopper family takes
-    its tasks from a counter there: ``ops.dynamic_schedule``)."""
+    its tasks from a counter there: ``ops.dynamic_schedule``); each also in the grouped query layout
+    where a query tile covers several blocks."""
     layouts = [KvLayout.CONTIGUOUS] + ([KvLayout.PACKED] if kernel.tile_kv > block_kv else [])
     for layout in layouts:
-        for splits in SPLITS:
-            yield PhysicalPlan(block_q, block_kv, layout, TaskOrganization(Traversal.LONGEST_FIRST, splits), kernel)
-        yield PhysicalPlan(block_q, block_kv, layout, TaskOrganization(Traversal.LONGEST_FIRST, 3, persistent=True),
-                           kernel)
+        tasks = [TaskOrganization(Traversal.LONGEST_FIRST, splits) for splits in SPLITS]
+        for org in tasks + [TaskOrganization(Traversal.LONGEST_FIRST, 3, persistent=True)]:
+            plan = PhysicalPlan(block_q, block_kv, layout, org, kernel)
+            yield plan
+            if plan.can_group_queries:
+                yield plan.grouped()
 
 
 def device_request(q, k, mask, plan) -> Request:
