@@ -19,7 +19,7 @@ from .mask import LogicalMask
 from .mask_state import MaskState, build_mask_state
 from .plans import DTYPE_NAMES, Family, PhysicalPlan, Request
 from .prepare import PreparedPlan, prepare
-from .selector import Selection, Selector
+from .selector import Selection, Selector, reused_mask_plan
 from .validation import check_inputs
 
 
@@ -75,13 +75,16 @@ class Runtime:
     An exact repeat of a request — the same mask object and the same shapes — skips selection and
     preparation. Entries (and their device metadata) are dropped when their mask object dies. A new
     mask goes through ``selector`` (plan table regime lookup, or the cost model), whose own cache
-    skips the ranking scan for a regime it has seen."""
+    skips the ranking scan for a regime it has seen. A mask that comes back is re-prepared once in
+    the plan ``selector.reused_mask_plan`` names (the grouped query layout of small query blocks on
+    Hopper, whose grouping costs about one attention call and saves on every call after)."""
 
     max_entries: int = 256
     _cache: dict = field(default_factory=dict, repr=False)
     warned: set = field(default_factory=set, repr=False)
     hits: int = 0
     misses: int = 0
+    regroupings: int = 0  # masks re-prepared in the grouped query layout when they came back
     selector: Selector = field(default_factory=Selector)
 
     def prepared_for(self, mask: LogicalMask, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
@@ -90,9 +93,13 @@ class Runtime:
         entry = self._cache.get(key)
         if entry is not None and entry[0]() is mask:
             self.hits += 1
-            if entry[1] is not None:
-                entry[1].settle()  # a worst-case plan takes its compact size once the count is on the host
-            return entry[1]
+            prepared = entry[1]
+            if prepared is not None:
+                prepared.settle()  # a worst-case plan takes its compact size once the count is on the host
+                if plan is None:
+                    prepared = self.regrouped(prepared, request)
+                    self._cache[key] = (entry[0], prepared)
+            return prepared
         self.misses += 1
         state = build_mask_state(mask)
         prepared = self.plan_request(state, request, plan)
@@ -102,6 +109,18 @@ class Runtime:
         cache = self._cache
         self._cache[key] = (weakref.ref(mask, lambda _, k=key: cache.pop(k, None)), prepared)
         return prepared
+
+    def regrouped(self, prepared: PreparedPlan, request: Request) -> PreparedPlan:
+        """``prepared`` re-prepared in the plan ``selector.reused_mask_plan`` names for a mask that
+        came back (the grouped query layout), once; as is where that is the same plan, and where its
+        tensors must stay (a CUDA graph or a compiled graph holds them: ``PreparedPlan.pin``) or a
+        capture or compilation is under way."""
+        plan = reused_mask_plan(prepared.plan, request)
+        if (plan is prepared.plan or prepared.compaction.pinned or torch.compiler.is_compiling()
+                or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+            return prepared
+        self.regroupings += 1
+        return prepare(plan, prepared.state)
 
     def plan_request(self, state: MaskState, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
         if plan is not None:

@@ -22,6 +22,13 @@ Order of decision:
    roofline cost model ranks every eligible catalog plan.
 3. No eligible native plan: None, the reference oracle (warned once on CUDA).
 
+The chosen plan runs a mask's first request in the natural query layout. For a mask that comes back
+(``Runtime``), ``reused_mask_plan`` names the plan to re-prepare it with once: a Hopper plan whose
+query tile covers several blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows in the grouped query layout
+(each head's query blocks regrouped by key set, ``regroup.py``: a grouping kernel of about the
+attention kernel's time, paid back from the second request on); ``$TESSERA_GROUP_QUERIES`` = ``0``
+never regroups, ``1`` regroups every plan that can.
+
 A table that is corrupt or built against another catalog is never used: the Selector warns once
 with the ``PlanTableError`` message and ranks with the cost model.
 
@@ -36,6 +43,7 @@ for none of them again.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,7 +55,7 @@ from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
 from .plan_table import STAT_NAMES, PlanTable, RankedPlan, Regime, RegimeTree, ScheduleRule, default_table, tile_group
-from .plans import KernelSpec, PhysicalPlan, Request
+from .plans import Family, KernelSpec, PhysicalPlan, QLayout, Request
 
 AUTO = "auto"  # Selector.table: the shipped table of each request's architecture
 Warn = Callable[[str], None]
@@ -481,6 +489,26 @@ def estimate_with(estimator: PlanEstimator, state: MaskState) -> list[float]:
     the row-union ratios the estimator's tiles need come with it)."""
     values = state.host_stat_values
     return estimator(values, state.row_union_ratios(estimator.union_rows) if estimator.union_rows else {})
+
+
+# Query blocks of at most this many rows are regrouped by key set (the grouped query layout) when
+# the chosen plan is a Hopper one whose query tile covers several of them. Measured on the H200
+# (benchmarks/results/h200_grouped_layout): see the README there.
+GROUPED_MAX_BLOCK_Q = 32
+GROUP_QUERIES_ENV = "TESSERA_GROUP_QUERIES"  # "0": never, "1": every plan that can, unset: the rule
+
+
+def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
+    """The plan for a mask that comes back after running ``plan``: its grouped query layout where
+    the rule of the module docstring says so, else ``plan`` itself."""
+    if plan.q_layout is QLayout.GROUPED or not plan.can_group_queries:
+        return plan
+    setting = os.environ.get(GROUP_QUERIES_ENV, "")
+    if setting == "0":
+        return plan
+    if setting != "1" and (plan.kernel.family is not Family.HOPPER or request.block_q > GROUPED_MAX_BLOCK_Q):
+        return plan
+    return plan.grouped()
 
 
 def warn_user(message: str) -> None:
