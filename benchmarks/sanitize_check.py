@@ -5,7 +5,8 @@ Hopper cases on sm90 (two for the 64 x 64 tile, which runs two CTAs per SM).
 ``--every-kernel`` runs every Hopper kernel of the library twice instead, once per task schedule:
 a direct plan on the static schedule (longest-first, row-major and split-K in turn) and a
 persistent plan on the dynamic one (coarsened-packed and refined in turn), so each compiled
-kernel (tile x head dim x dtype x stages x schedule) is exercised under the sanitizer."""
+kernel (tile x head dim x dtype x stages x schedule) is exercised under the sanitizer. ``--grouped``
+adds each case's grouped query layout where its query tile covers several blocks."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", choices=("portable", "hopper"), default=None, help="only this kernel family")
     parser.add_argument("--every-kernel", action="store_true",
                         help="every Hopper kernel of the library, once per task schedule (replaces the fixed cases)")
+    parser.add_argument("--grouped", action="store_true",
+                        help="also run each case whose query tile covers several blocks in the grouped query layout")
     parser.add_argument("--start", type=int, default=0,
                         help="skip the first START cases (to finish a sanitizer run that hit its time limit)")
     args = parser.parse_args(argv)
@@ -91,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         mask = random_mask(1, 2, seq_q, seq_kv, bq, bkv, density=0.4, seed=bq, device=device)
         q, k, v = random_qkv(1, seq_q, seq_kv, 2, kernel.head_dim, kernel.torch_dtype, device, seed=bq)
         plan = PhysicalPlan(bq, bkv, layout, org, kernel)
-        out, lse = ops.run_native(prepare(plan, build_mask_state(mask)), q, k, v, 1 / math.sqrt(kernel.head_dim), True)
-        acc = check_against_reference(out, lse, q, k, v, mask)
-        print(f"{plan.name}: {acc} {'ok' if acc.ok() else 'FAIL'}")
-        failures += not acc.ok()
+        state = build_mask_state(mask)
+        for each in [plan] + ([plan.grouped()] if args.grouped and plan.can_group_queries else []):
+            out, lse = ops.run_native(prepare(each, state), q, k, v, 1 / math.sqrt(kernel.head_dim), True)
+            acc = check_against_reference(out, lse, q, k, v, mask)
+            print(f"{each.name}: {acc} {'ok' if acc.ok() else 'FAIL'}")
+            failures += not acc.ok()
     torch.cuda.synchronize()
     return 1 if failures else 0
 
