@@ -119,7 +119,6 @@ class PreparedPlan:
     tile_member: torch.Tensor  # [Bm, Hm, nQT, cap] int64
     q_order: torch.Tensor  # [Bm, Hm, nQT] int32
     q_units: torch.Tensor | None = None  # [Bm, Hm, nQT * kq] int32: the grouped query layout, else None
-    layout_state: MaskState | None = None  # grouped: the regrouped mask the tile tensors describe
     # Mutable state behind the frozen fields: the deferred compaction, and the launch templates the
     # native launcher built for these tensors (``ops.run_direct``; dropped when ``settle`` moves them).
     compaction: DeferredCompaction = field(default_factory=DeferredCompaction, repr=False)
@@ -132,7 +131,8 @@ class PreparedPlan:
     @cached_property
     def runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(run_counts, run_starts, run_lengths)`` of every query tile (see the module docstring)."""
-        tile_any = unit_activity(self.plan, self.layout_state or self.state).any(3)
+        state = self.state if self.q_units is None else regrouped_state(self.plan, self.state, self.q_units)
+        tile_any = unit_activity(self.plan, state).any(3)
         return unit_runs(tile_any, self.plan.kv_unit, self.mask.seq_len_kv)
 
     @property
@@ -285,22 +285,29 @@ def prepare_grouped(plan: PhysicalPlan, state: MaskState, compact: bool | None =
     """``prepare`` for the grouped query layout: each head's query blocks in the order of
     ``regroup.group_query_blocks`` (on the mask's device, native on CUDA), then the natural-layout
     metadata of the mask with its block rows in that order (see the module docstring)."""
-    from .regroup import group_query_blocks, permuted_blocks  # regroup reaches prepare through native_prepare
+    from .regroup import group_query_blocks  # regroup reaches prepare through native_prepare
 
-    mask = state.mask
-    check_plan(plan, mask)
+    check_plan(plan, state.mask)
     if not plan.can_group_queries:
         raise InvalidArgumentError("plan", "a plan whose query tile covers several whole blocks for the grouped layout",
                                    f"{plan.name}")
-    q_units = group_query_blocks(mask.blocks, plan.q_units_per_tile)
-    n_qt = q_units.shape[-1] // plan.q_units_per_tile
-    layout_mask = LogicalMask(permuted_blocks(mask.blocks, q_units), mask.block_q, mask.block_kv,
-                              n_qt * plan.tile_q, mask.seq_len_kv)
-    layout_state = MaskState(layout_mask)
+    q_units = group_query_blocks(state.mask.blocks, plan.q_units_per_tile)
     natural = dataclasses.replace(plan, q_layout=QLayout.NATURAL)
-    inner = prepare(natural, layout_state, compact)
-    return dataclasses.replace(inner, plan=plan, state=state, q_units=q_units, layout_state=layout_state,
-                               compaction=inner.compaction, launch_templates={})
+    # The regrouped mask (a copy of the block tensor) lives only while its metadata is built.
+    inner = prepare(natural, regrouped_state(plan, state, q_units), compact)
+    return dataclasses.replace(inner, plan=plan, state=state, q_units=q_units, compaction=inner.compaction,
+                               launch_templates={})
+
+
+def regrouped_state(plan: PhysicalPlan, state: MaskState, q_units: torch.Tensor) -> MaskState:
+    """The mask of ``state`` with each head's block rows in the order of ``q_units``: ``nQT * kq``
+    rows, the last tile's padding positions empty (the mask the grouped layout's tile tensors describe)."""
+    from .regroup import permuted_blocks
+
+    mask = state.mask
+    n_qt = q_units.shape[-1] // plan.q_units_per_tile
+    return MaskState(LogicalMask(permuted_blocks(mask.blocks, q_units), mask.block_q, mask.block_kv,
+                                 n_qt * plan.tile_q, mask.seq_len_kv))
 
 
 def query_rows(q_units: torch.Tensor, q_unit: int, seq_len_q: int) -> torch.Tensor:

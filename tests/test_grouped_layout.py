@@ -87,7 +87,7 @@ def test_metadata_is_the_natural_metadata_of_the_regrouped_mask(block_q, block_k
     natural = PhysicalPlan(block_q, block_kv, layout, plan.tasks, plan.kernel)
     want = prepare_torch(natural, build_mask_state(layout_mask), compact=True)
     assert prepared.capacity == want.capacity
-    for name in ("tile_counts", "tile_slots", "tile_member", "q_order"):
+    for name in ("tile_counts", "tile_slots", "tile_member", "q_order", "run_counts", "run_starts", "run_lengths"):
         assert torch.equal(getattr(prepared, name), getattr(want, name)), name
     # The regrouping exists to schedule fewer tiles than the natural order.
     natural_tiles = int(prepare(natural, build_mask_state(mask)).tile_counts.sum())
