@@ -25,9 +25,9 @@ Order of decision:
 The chosen plan runs a mask's first request in the natural query layout. For a mask that comes back
 (``Runtime``), ``reused_mask_plan`` names the plan to re-prepare it with once: a Hopper plan whose
 query tile covers several blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows in the grouped query layout
-(each head's query blocks regrouped by key set, ``regroup.py``: a grouping kernel of about the
-attention kernel's time, paid back from the second request on); ``$TESSERA_GROUP_QUERIES`` = ``0``
-never regroups, ``1`` regroups every plan that can.
+(each head's query blocks regrouped by key set, ``regroup.py``: a preparation 1-2.5 ms longer at
+32k tokens, paid back by the requests after it); ``$TESSERA_GROUP_QUERIES`` = ``0`` never
+regroups, ``1`` regroups every plan that can. The plan table ranks natural plans only.
 
 A table that is corrupt or built against another catalog is never used: the Selector warns once
 with the ``PlanTableError`` message and ranks with the cost model.
