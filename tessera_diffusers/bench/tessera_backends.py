@@ -14,7 +14,7 @@ from ..catalog import reference_kernel
 from ..eligibility import rejection
 from ..errors import CatalogError
 from ..mask_state import build_mask_state
-from ..plans import DTYPE_NAMES, KvLayout, PhysicalPlan, Request, TaskOrganization
+from ..plans import DTYPE_NAMES, Family, KvLayout, PhysicalPlan, Request, TaskOrganization
 from ..prepare import PreparedPlan, prepare
 from ..runtime import Runtime, device_arch, execute
 from ..selector import native_candidates, rank, reused_mask_plan
@@ -53,14 +53,16 @@ def executor_plans(problem: Problem) -> list[PhysicalPlan]:
 
 
 def candidate_plans(problem: Problem, allow_executor: bool) -> tuple[list[PhysicalPlan], str | None]:
-    """Eligible native plans for the problem, each also in the grouped query layout where its query
-    tile covers several blocks; on a device without native kernels, the executor plans when
-    ``allow_executor`` (the CPU smoke run), else none and the reason."""
+    """Eligible native plans for the problem, each Hopper one also in the grouped query layout where
+    its query tile covers several blocks (the family ``selector.reused_mask_plan`` groups); on a
+    device without native kernels, the executor plans when ``allow_executor`` (the CPU smoke run),
+    else none and the reason."""
     request = request_of(problem)
     plans, why_none = native_candidates(request)
     eligible = [p for p in plans if rejection(p, request) is None]
     if eligible:
-        return eligible + [p.grouped() for p in eligible if p.can_group_queries], None
+        grouped = [p.grouped() for p in eligible if p.can_group_queries and p.kernel.family is Family.HOPPER]
+        return eligible + grouped, None
     if allow_executor:
         return executor_plans(problem), None
     if plans:
