@@ -34,47 +34,17 @@ from tessera_diffusers.corpus import enumerate_cases
 from tessera_diffusers.corpus.grids import grid_named
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask_state import group_activity
+from tessera_diffusers.regroup import group_query_blocks_torch
 
 
 def group_query_blocks(blocks: torch.Tensor, group: int, window: int = 64) -> torch.Tensor:
-    """A permutation ``perm [G, nQ]`` of the query blocks of ``blocks [G, nQ, nKV]`` (bool) whose
-    consecutive runs of ``group`` entries share few key blocks beyond their own (greedy, see the
-    module docstring). Every head keeps whichever of this order and the natural one schedules
-    fewer key blocks at this group size."""
-    for name, value in (("group", group), ("window", window)):
-        if value < 1:
-            raise InvalidArgumentError(name, "a positive number of query blocks", repr(value))
-    heads, n_q, n_kv = blocks.shape
-    device = blocks.device
-    rows = torch.arange(heads, device=device)
-    padded = torch.cat([blocks, blocks.new_zeros(heads, window, n_kv)], 1)
-    free = torch.ones(heads, n_q + window, dtype=torch.bool, device=device)
-    free[:, n_q:] = False
-    positions = torch.arange(n_q + window, device=device)
-    ahead = torch.arange(1, window + 1, device=device)
-    perm = torch.empty(heads, n_q, dtype=torch.long, device=device)
-    seed = torch.zeros(heads, dtype=torch.long, device=device)
-    written = 0
-    while written < n_q:
-        seed = (free & (positions >= seed[:, None])).int().argmax(1)  # first free block from the last seed on
-        free[rows, seed] = False
-        perm[:, written] = seed
-        union = padded[rows, seed].clone()
-        cand = seed[:, None] + ahead  # [G, window]
-        cand_blocks = padded[rows[:, None], cand]  # [G, window, nKV]
-        for k in range(1, min(group, n_q - written)):
-            cand_free = free[rows[:, None], cand]
-            added = (cand_blocks & ~union[:, None, :]).sum(-1)
-            added = torch.where(cand_free, added, torch.full_like(added, n_kv + 1))
-            best = added.argmin(1)
-            pick = torch.where(cand_free[rows, best], cand[rows, best], (free & (positions > seed[:, None])).int().argmax(1))
-            free[rows, pick] = False
-            perm[:, written + k] = pick
-            union |= padded[rows, pick]
-        written += min(group, n_q - written)
-    natural = natural_order(blocks)
-    keep = scheduled_key_blocks(blocks, natural, group) <= scheduled_key_blocks(blocks, perm, group)
-    return torch.where(keep[:, None], natural, perm)
+    """A permutation ``perm [G, nQ]`` (int64) of the query blocks of ``blocks [G, nQ, nKV]`` (bool)
+    whose consecutive runs of ``group`` entries share few key blocks beyond their own: the library's
+    grouping (``tessera_diffusers.regroup``, the torch code; the greedy of the module docstring,
+    each head keeping whichever of it and the natural order schedules fewer key blocks), without
+    its padding positions."""
+    q_units = group_query_blocks_torch(blocks[None], group, window).q_units
+    return q_units[0, :, :blocks.shape[1]].long()
 
 
 def natural_order(blocks: torch.Tensor) -> torch.Tensor:
