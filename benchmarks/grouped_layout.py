@@ -31,16 +31,11 @@ from tessera_diffusers.regroup import query_grouping
 
 def cuda_ms(fn, reps: int, device: torch.device) -> float:
     """Median CUDA-event time of ``fn`` (after one warm-up call), including what it queues."""
+    from tessera_diffusers.bench.timing import elapsed_ms
+
     fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    times = sorted(elapsed_ms(fn, device) for _ in range(reps))
+    return times[len(times) // 2]
 
 
 def one_case(spec, args: argparse.Namespace, device: torch.device) -> dict:
