@@ -56,7 +56,8 @@ class TesseraBackend:
     """Tessera's block-sparse attention with the prepared plan kept in the step cache.
 
     Selection goes through ``runtime`` (its catalog and plan selection); the prepared plan of each
-    mask is stored in the mask's cache slot, so the runtime's own per-mask cache is not used.
+    mask is stored in the mask's cache slot, so the runtime's own per-mask cache is not used; a
+    reused mask's plan goes through ``Runtime.regrouped`` as the runtime's cache hits do.
     ``TesseraBackend(Runtime(selector=Selector(reuse_regime=True)))`` lets each new mask of a layer
     take the previous mask's regime without a statistics read (no host sync per step)."""
 
@@ -87,13 +88,19 @@ class TesseraBackend:
             built.append(prepared)
             return prepared, tensor_nbytes(prepared)
 
-        prepared = cache.plan(slot, (self.name, request, part), build)
+        plan_key = (self.name, request, part)
+        prepared = cache.plan(slot, plan_key, build)
         if prepared is None:  # no native plan for this request: the reference path
             return reference.attention(q, k, v, mask, scale, return_lse)
         if not built and prepared.compaction_pending:  # a reused worst-case plan: its compact size once known
             before = tensor_nbytes(prepared)
             if prepared.settle():
                 cache.plan_resized(slot, tensor_nbytes(prepared) - before)
+        if not built:  # a reused mask: the plan Runtime.regrouped names for it (the grouped query layout)
+            reused = self.runtime.regrouped(prepared, request)
+            if reused is not prepared:
+                cache.plan_replaced(slot, plan_key, reused, tensor_nbytes(reused) - tensor_nbytes(prepared))
+                prepared = reused
         return execute(prepared, q, k, v, scale, return_lse)
 
 

@@ -132,6 +132,14 @@ class StepCache:
             self.enforce_bound(keep=slot.key)
         return state
 
+    def plan_replaced(self, slot: CacheSlot, plan_key: Hashable, state: object, delta: int) -> None:
+        """The kept plan state of ``slot`` for ``plan_key`` is now ``state``, ``delta`` bytes larger
+        (a reused mask's plan re-prepared: ``Runtime.regrouped``)."""
+        slot.plans[plan_key] = state
+        self.plan_resized(slot, delta)
+        if slot.key in self.slots:
+            self.enforce_bound(keep=slot.key)
+
     def plan_resized(self, slot: CacheSlot, delta: int) -> None:
         """A kept plan state of ``slot`` changed size by ``delta`` bytes (a prepared plan that
         trimmed its worst-case metadata: ``PreparedPlan.settle``)."""

@@ -68,6 +68,12 @@ def execute(
     return ops.run_native(prepared, q, k, v, scale, return_lse)
 
 
+def tracing_or_capturing() -> bool:
+    """Whether ``torch.compile`` traces or a CUDA graph captures on the current stream: no new
+    metadata may be prepared then."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 @dataclass
 class Runtime:
     """Prepared-plan cache and selection front end (one per pipeline or processor).
@@ -96,9 +102,9 @@ class Runtime:
             prepared = entry[1]
             if prepared is not None:
                 prepared.settle()  # a worst-case plan takes its compact size once the count is on the host
-                if plan is None:
+                if plan is None and not entry[2]:  # the plan of a reused mask, decided once
                     prepared = self.regrouped(prepared, request)
-                    self._cache[key] = (entry[0], prepared)
+                    self._cache[key] = (entry[0], prepared, True)
             return prepared
         self.misses += 1
         state = build_mask_state(mask)
@@ -107,17 +113,18 @@ class Runtime:
             self._cache.pop(next(iter(self._cache)))
         # The entry leaves with its mask: a loop of new masks keeps no dead metadata on the device.
         cache = self._cache
-        self._cache[key] = (weakref.ref(mask, lambda _, k=key: cache.pop(k, None)), prepared)
+        # (mask, prepared plan, whether the plan of a reused mask has been decided)
+        self._cache[key] = (weakref.ref(mask, lambda _, k=key: cache.pop(k, None)), prepared, False)
         return prepared
 
     def regrouped(self, prepared: PreparedPlan, request: Request) -> PreparedPlan:
         """``prepared`` re-prepared in the plan ``selector.reused_mask_plan`` names for a mask that
-        came back (the grouped query layout), once; as is where that is the same plan, and where its
-        tensors must stay (a CUDA graph or a compiled graph holds them: ``PreparedPlan.pin``) or a
-        capture or compilation is under way."""
+        came back (the grouped query layout); as is where that is the same plan, where its tensors
+        must stay (a CUDA graph or a compiled graph holds them: ``PreparedPlan.pin``) and while a
+        capture or compilation is under way. Every cache of prepared plans calls it when it reuses
+        one (this Runtime's, and the diffusers processors' step cache)."""
         plan = reused_mask_plan(prepared.plan, request)
-        if (plan is prepared.plan or prepared.compaction.pinned or torch.compiler.is_compiling()
-                or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+        if plan is prepared.plan or prepared.compaction.pinned or tracing_or_capturing():
             return prepared
         self.regroupings += 1
         return prepare(plan, prepared.state)

@@ -243,3 +243,34 @@ def test_runtime_regroups_a_mask_that_comes_back(monkeypatch):
     other = interleaved_mask(1, 2, 400, 400, 16, 16, seed=9)
     for _ in range(2):
         assert runtime.prepared_for(other, request, None).plan.q_layout is QLayout.NATURAL
+
+
+def test_processors_step_cache_regroups_a_reused_mask(monkeypatch):
+    """The diffusers processors keep plans in their step cache, not the Runtime's: a reused mask's
+    plan is re-prepared there too (once), its bytes accounted, outputs equal to the oracle."""
+    from tessera_diffusers.processors.backends import TesseraBackend
+    from tessera_diffusers.processors.plan_cache import StepCache, tensor_nbytes
+
+    from tessera_diffusers import Runtime
+    from tessera_diffusers.selector import GROUP_QUERIES_ENV
+
+    monkeypatch.setenv(GROUP_QUERIES_ENV, "1")
+    q, k, v = random_qkv(1, 400, 400, 2, 32, torch.float32, "cpu", seed=10)
+    mask = interleaved_mask(1, 2, 400, 400, 16, 16, seed=10)
+    plan = PhysicalPlan(16, 16, KvLayout.PACKED, TaskOrganization(), reference_kernel(32, "fp32", 64, 64))
+
+    class ForcedRuntime(Runtime):
+        def plan_request(self, state, request, forced):
+            return prepare(forced or plan, state)
+
+    backend, cache = TesseraBackend(ForcedRuntime()), StepCache()
+    slot = cache.store_mask("layer", mask, 0, "signature")
+    layouts = []
+    for _ in range(3):
+        out = backend.attention(q, k, v, mask, slot=slot, cache=cache)
+        (kept,) = slot.plans.values()
+        layouts.append(kept.plan.q_layout)
+        assert slot.plan_bytes == tensor_nbytes(kept)
+        assert check_against_reference(out, None, q, k, v, mask).ok()
+    assert layouts == [QLayout.NATURAL, QLayout.GROUPED, QLayout.GROUPED]
+    assert backend.runtime.regroupings == 1 and cache.stats.plan_builds == 1
