@@ -65,7 +65,7 @@ from typing import Any
 from .catalog import catalog_hash
 from .errors import PlanTableError
 from .mask_state import Stat
-from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization, Traversal
+from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, QLayout, Request, TaskOrganization, Traversal
 
 FORMAT = "tessera-plan-table"
 SCHEMA_VERSION = 1
@@ -159,12 +159,12 @@ class RankedPlan:
 
 def tile_group(plan: PhysicalPlan) -> tuple:
     """What plans that differ only in their task organization share: the logical geometry, the KV
-    layout and the kernel's tile (family, arch, dtype, head dim, tile shape, warps). The task
+    and query layouts and the kernel's tile (family, arch, dtype, head dim, tile shape, warps). The task
     organization is DESIGN section 4's: grouping and traversal, split-K, a persistent grid, and the
     pipeline depth (the kernel's stages), so 2- and 3-stage builds of one tile are one group."""
     k = plan.kernel
-    return (plan.block_q, plan.block_kv, plan.kv_layout, k.family, k.arch, k.dtype, k.head_dim, k.tile_q, k.tile_kv,
-            k.warps)
+    return (plan.block_q, plan.block_kv, plan.kv_layout, plan.q_layout, k.family, k.arch, k.dtype, k.head_dim,
+            k.tile_q, k.tile_kv, k.warps)
 
 
 @dataclass(frozen=True)
@@ -350,16 +350,20 @@ def kernel_from_dict(d: Mapping) -> KernelSpec:
 
 
 def plan_to_dict(p: PhysicalPlan) -> dict:
-    """A plan as plain values (the inverse of ``plan_from_dict``; names are derived, never stored)."""
-    return {"block_q": p.block_q, "block_kv": p.block_kv, "kv_layout": p.kv_layout.value,
-            "traversal": p.tasks.traversal.value, "num_splits": p.tasks.num_splits,
-            "persistent": p.tasks.persistent, "kernel": kernel_to_dict(p.kernel)}
+    """A plan as plain values (the inverse of ``plan_from_dict``; names are derived, never stored).
+    ``q_layout`` is written for the grouped layout only, so natural plans read as they always did."""
+    out = {"block_q": p.block_q, "block_kv": p.block_kv, "kv_layout": p.kv_layout.value,
+           "traversal": p.tasks.traversal.value, "num_splits": p.tasks.num_splits,
+           "persistent": p.tasks.persistent, "kernel": kernel_to_dict(p.kernel)}
+    if p.q_layout is not QLayout.NATURAL:
+        out["q_layout"] = p.q_layout.value
+    return out
 
 
 def plan_from_dict(d: Mapping) -> PhysicalPlan:
     tasks = TaskOrganization(Traversal(d["traversal"]), int(d["num_splits"]), bool(d["persistent"]))
     return PhysicalPlan(int(d["block_q"]), int(d["block_kv"]), KvLayout(d["kv_layout"]), tasks,
-                        kernel_from_dict(d["kernel"]))
+                        kernel_from_dict(d["kernel"]), QLayout(d.get("q_layout", QLayout.NATURAL.value)))
 
 
 def key_table_to_dict(kt: KeyTable) -> dict:

@@ -163,6 +163,12 @@ class PhysicalPlan:
         return dataclasses.replace(self, q_layout=QLayout.GROUPED)
 
     @property
+    def groups_in_kernel(self) -> bool:
+        """Whether the grouped layout of this plan runs in its kernel: a Hopper plan whose query
+        tile covers several blocks (the portable family maps rows too, but is not ranked grouped)."""
+        return self.can_group_queries and self.kernel.family is Family.HOPPER
+
+    @property
     def kv_mapping(self) -> AxisMapping:
         return axis_mapping(self.block_kv, self.tile_kv, self.kv_layout is KvLayout.PACKED)
 
@@ -198,6 +204,12 @@ class PhysicalPlan:
         )
 
 
+def with_grouped_layouts(plans: list[PhysicalPlan]) -> list[PhysicalPlan]:
+    """``plans``, then the grouped query layout of each whose kernel groups (``groups_in_kernel``):
+    the plans of a mask that comes back."""
+    return [*plans, *(p.grouped() for p in plans if p.q_layout is QLayout.NATURAL and p.groups_in_kernel)]
+
+
 @dataclass(frozen=True)
 class Request:
     """What the selector and eligibility see of one attention call (hashable, no tensors)."""
@@ -212,11 +224,15 @@ class Request:
     block_kv: int
     arch: str  # "sm80", "sm86", "sm89", "sm90", "sm120", or "cpu"
     return_lse: bool = False
+    # A mask that comes back (its plan re-prepared once, ``Runtime.regrouped``): the grouped query
+    # layout is among its plans, and the plan table ranks it under its own key (``/reused``).
+    reused_mask: bool = False
 
     @property
     def key(self) -> str:
         """The request key of the plan table."""
-        return f"{self.arch}/Q{self.block_q}K{self.block_kv}/d{self.head_dim}/{self.dtype}/bshd"
+        key = f"{self.arch}/Q{self.block_q}K{self.block_kv}/d{self.head_dim}/{self.dtype}/bshd"
+        return f"{key}/reused" if self.reused_mask else key
 
     @property
     def name(self) -> str:

@@ -19,7 +19,7 @@ from .mask import LogicalMask
 from .mask_state import MaskState, build_mask_state
 from .plans import DTYPE_NAMES, Family, PhysicalPlan, Request
 from .prepare import PreparedPlan, prepare
-from .selector import Selection, Selector, reused_mask_plan
+from .selector import Selection, Selector
 from .validation import check_inputs
 
 
@@ -82,7 +82,7 @@ class Runtime:
     preparation. Entries (and their device metadata) are dropped when their mask object dies. A new
     mask goes through ``selector`` (plan table regime lookup, or the cost model), whose own cache
     skips the ranking scan for a regime it has seen. A mask that comes back is re-prepared once in
-    the plan ``selector.reused_mask_plan`` names (the grouped query layout of small query blocks on
+    the plan ``Selector.reused_plan`` names (the grouped query layout of small query blocks on
     Hopper: its grouping, 1-2.5 ms once per mask at 32k tokens, is paid back by the calls after)."""
 
     max_entries: int = 256
@@ -90,8 +90,10 @@ class Runtime:
     warned: set = field(default_factory=set, repr=False)
     hits: int = 0
     misses: int = 0
-    regroupings: int = 0  # masks re-prepared in the grouped query layout when they came back
+    regroupings: int = 0  # masks re-prepared in another plan (the grouped query layout) when they came back
     selector: Selector = field(default_factory=Selector)
+    # Prepared plans whose reuse plan is decided (Runtime.regrouped): nothing to decide again.
+    _reuse_decided: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
 
     def prepared_for(self, mask: LogicalMask, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
         """The cached or newly prepared plan for ``(mask, request)``; None means the reference oracle."""
@@ -102,9 +104,11 @@ class Runtime:
             prepared = entry[1]
             if prepared is not None:
                 prepared.settle()  # a worst-case plan takes its compact size once the count is on the host
-                if plan is None and not entry[2]:  # the plan of a reused mask, decided once
-                    prepared = self.regrouped(prepared, request)
-                    self._cache[key] = (entry[0], prepared, True)
+                if plan is None:  # the plan of a reused mask (decided once)
+                    reused = self.regrouped(prepared, request)
+                    if reused is not prepared:
+                        self._cache[key] = (entry[0], reused)
+                        prepared = reused
             return prepared
         self.misses += 1
         state = build_mask_state(mask)
@@ -113,21 +117,24 @@ class Runtime:
             self._cache.pop(next(iter(self._cache)))
         # The entry leaves with its mask: a loop of new masks keeps no dead metadata on the device.
         cache = self._cache
-        # (mask, prepared plan, whether the plan of a reused mask has been decided)
-        self._cache[key] = (weakref.ref(mask, lambda _, k=key: cache.pop(k, None)), prepared, False)
+        self._cache[key] = (weakref.ref(mask, lambda _, k=key: cache.pop(k, None)), prepared)
         return prepared
 
     def regrouped(self, prepared: PreparedPlan, request: Request) -> PreparedPlan:
-        """``prepared`` re-prepared in the plan ``selector.reused_mask_plan`` names for a mask that
-        came back (the grouped query layout); as is where that is the same plan, where its tensors
-        must stay (a CUDA graph or a compiled graph holds them: ``PreparedPlan.pin``) and while a
-        capture or compilation is under way. Every cache of prepared plans calls it when it reuses
-        one (this Runtime's, and the diffusers processors' step cache)."""
-        plan = reused_mask_plan(prepared.plan, request)
-        if plan is prepared.plan or prepared.compaction.pinned or tracing_or_capturing():
+        """``prepared`` re-prepared in the plan ``Selector.reused_plan`` names for a mask that came
+        back (the grouped query layout, or another natural plan); as is where that is the same plan,
+        where its tensors must stay (a CUDA graph or a compiled graph holds them:
+        ``PreparedPlan.pin``) and while a capture or compilation is under way. Decided once per
+        prepared plan: later calls return it at once. Every cache of prepared plans calls it when it
+        reuses one (this Runtime's, and the diffusers processors' step cache)."""
+        if prepared in self._reuse_decided or prepared.compaction.pinned or tracing_or_capturing():
             return prepared
-        self.regroupings += 1
-        return prepare(plan, prepared.state)
+        plan = self.selector.reused_plan(prepared.plan, request, prepared.state, warn=self._warn_once)
+        if plan != prepared.plan:
+            self.regroupings += 1
+            prepared = prepare(plan, prepared.state)
+        self._reuse_decided.add(prepared)
+        return prepared
 
     def plan_request(self, state: MaskState, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
         if plan is not None:

@@ -23,11 +23,13 @@ Order of decision:
 3. No eligible native plan: None, the reference oracle (warned once on CUDA).
 
 The chosen plan runs a mask's first request in the natural query layout. For a mask that comes back
-(``Runtime``), ``reused_mask_plan`` names the plan to re-prepare it with once: a Hopper plan whose
-query tile covers several blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows in the grouped query layout
-(each head's query blocks regrouped by key set, ``regroup.py``: a preparation 1-2.5 ms longer at
-32k tokens, paid back by the requests after it); ``$TESSERA_GROUP_QUERIES`` = ``0`` never
-regroups, ``1`` regroups every plan that can. The plan table ranks natural plans only.
+(``Runtime``), ``Selector.reused_plan`` names the plan to re-prepare it with once, possibly in the
+grouped query layout (each head's query blocks regrouped by key set, ``regroup.py``: a preparation
+about 1-2.5 ms longer at 32k tokens, paid back by the requests after it): the table's plan for the
+request's ``/reused`` key where it was profiled (``tessera profile --reused-masks``: natural and
+grouped plans timed side by side), else the rule of ``reused_mask_plan`` (the same plan grouped, on
+Hopper, for query blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows). ``$TESSERA_GROUP_QUERIES`` = ``0``
+never regroups, ``1`` regroups every plan that can.
 
 A table that is corrupt or built against another catalog is never used: the Selector warns once
 with the ``PlanTableError`` message and ranks with the cost model.
@@ -43,6 +45,7 @@ for none of them again.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -257,6 +260,22 @@ class Selector:
             return entry.cost_model_choice
         entry.cost_model_choice = self._cost_model(entry, request, state)
         return entry.cost_model_choice
+
+    def reused_plan(self, plan: PhysicalPlan, request: Request, state: MaskState,
+                    warn: Warn | None = None) -> PhysicalPlan:
+        """The plan to re-prepare a mask with when it comes back after running ``plan``: the plan
+        table's choice under the request's ``/reused`` key (natural and grouped plans, ranked on
+        the mask's statistics like any request) where the table has that key, else the rule of
+        ``reused_mask_plan``. ``plan`` itself where the answer is the same plan;
+        ``$TESSERA_GROUP_QUERIES`` (``0`` / ``1``) overrides the table."""
+        if os.environ.get(GROUP_QUERIES_ENV, "") in ("0", "1") or plan.q_layout is QLayout.GROUPED:
+            return reused_mask_plan(plan, request)
+        reused = dataclasses.replace(request, reused_mask=True)
+        table = self.context(request.arch, warn).table
+        if table is None or reused.key not in table.keys:
+            return reused_mask_plan(plan, request)
+        chosen = self.selection(reused, state, warn).chosen
+        return plan if chosen is None or chosen == plan else chosen
 
     def rank(self, request: Request, state: MaskState, warn: Warn | None = None) -> Selection:
         """The full decision for ``explain``: every ranked plan checked, every rejection kept."""
@@ -502,8 +521,9 @@ GROUP_QUERIES_ENV = "TESSERA_GROUP_QUERIES"  # "0": never, "1": every plan that 
 
 
 def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
-    """The plan for a mask that comes back after running ``plan``: its grouped query layout where
-    the rule of the module docstring says so, else ``plan`` itself."""
+    """The rule for a mask that comes back after running ``plan`` where the plan table has no
+    ``/reused`` key for it (``Selector.reused_plan``): its grouped query layout on Hopper for query
+    blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows, else ``plan`` itself."""
     if plan.q_layout is QLayout.GROUPED or not plan.can_group_queries:
         return plan
     setting = os.environ.get(GROUP_QUERIES_ENV, "")

@@ -14,10 +14,10 @@ from ..catalog import reference_kernel
 from ..eligibility import rejection
 from ..errors import CatalogError
 from ..mask_state import build_mask_state
-from ..plans import DTYPE_NAMES, Family, KvLayout, PhysicalPlan, Request, TaskOrganization
+from ..plans import DTYPE_NAMES, KvLayout, PhysicalPlan, Request, TaskOrganization, with_grouped_layouts
 from ..prepare import PreparedPlan, prepare
 from ..runtime import Runtime, device_arch, execute
-from ..selector import native_candidates, rank, reused_mask_plan
+from ..selector import Selector, native_candidates
 from .backends import Backend, Inputs, Skip
 from .problem import Problem
 
@@ -54,15 +54,14 @@ def executor_plans(problem: Problem) -> list[PhysicalPlan]:
 
 def candidate_plans(problem: Problem, allow_executor: bool) -> tuple[list[PhysicalPlan], str | None]:
     """Eligible native plans for the problem, each Hopper one also in the grouped query layout where
-    its query tile covers several blocks (the family ``selector.reused_mask_plan`` groups); on a
+    its query tile covers several blocks (``plans.with_grouped_layouts``); on a
     device without native kernels, the executor plans when ``allow_executor`` (the CPU smoke run),
     else none and the reason."""
     request = request_of(problem)
     plans, why_none = native_candidates(request)
     eligible = [p for p in plans if rejection(p, request) is None]
     if eligible:
-        grouped = [p.grouped() for p in eligible if p.can_group_queries and p.kernel.family is Family.HOPPER]
-        return eligible + grouped, None
+        return with_grouped_layouts(eligible), None
     if allow_executor:
         return executor_plans(problem), None
     if plans:
@@ -74,7 +73,7 @@ def candidate_plans(problem: Problem, allow_executor: bool) -> tuple[list[Physic
 class TesseraSelected(Backend):
     """The plan the selector chooses (plan table or cost model), through the public runtime. Kernel
     latency runs the mask many times, so it times the plan of a mask that comes back
-    (``selector.reused_mask_plan``: the grouped query layout where the rule says so); a complete
+    (``Selector.reused_plan``: the plan table's ``/reused`` key, or the grouped layout's rule); a complete
     request is a mask's first (a fresh ``Runtime``), in the selected plan itself."""
 
     name = "tessera"
@@ -83,14 +82,15 @@ class TesseraSelected(Backend):
     def prepare(self, problem: Problem) -> tuple[PreparedPlan, float]:
         state = build_mask_state(problem.mask)
         request = request_of(problem)
+        selector = Selector()
         try:
-            selection = rank(request, state)
+            selection = selector.rank(request, state)
         except CatalogError as err:
             raise Skip(f"native kernels unavailable: {err}") from err
         if selection.chosen is None:
             reasons = "; ".join(f"{n}: {r}" for n, r in selection.rejected[:3]) or "no plan"
             raise Skip(f"the selector chose no native plan ({reasons})")
-        return prepare(reused_mask_plan(selection.chosen, request), state), problem.scale
+        return prepare(selector.reused_plan(selection.chosen, request, state), state), problem.scale
 
     def run(self, prepared: tuple[PreparedPlan, float], inputs: Inputs) -> torch.Tensor:
         plan, scale = prepared

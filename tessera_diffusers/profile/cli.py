@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "2026-11-30; --abandon-factor applies) instead of validating a case's plans first and "
                              "timing them in turn with the GPU kept busy")
     parser.add_argument("--plan-filter", default=None, help="regular expression over plan names")
+    parser.add_argument("--reused-masks", action="store_true",
+                        help="profile masks that come back: natural plans and their grouped query layout side by "
+                             "side, under each request key's /reused key (Selector.reused_plan)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--split", choices=SPLITS, default=SPLIT,
@@ -101,7 +104,7 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
             abandon_factor=args.abandon_factor, minutes=args.minutes, plan_filter=args.plan_filter,
             contenders_after=args.contenders_after, contender_regret=args.contender_regret,
             interleave=not args.sequential, context_gemm=args.context_gemm, device=args.device, seed=args.seed,
-            split=args.split, resume=not args.fresh, progress=not args.no_progress)
+            split=args.split, reused_masks=args.reused_masks, resume=not args.fresh, progress=not args.no_progress)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return ProfileConfig(
         out_dir=args.out,
@@ -129,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
         device=device,
         seed=args.seed,
         split=args.split,
+        reused_masks=args.reused_masks,
         resume=not args.fresh,
         progress=not args.no_progress,
     )

@@ -65,6 +65,11 @@ class ProfileConfig:
     # model's forward pass whatever else shares its batch. 0: off. Records note it (their
     # timing_method), and times taken in different contexts are not compared.
     context_gemm: int = 0
+    # Profile masks that come back (``Request.reused_mask``, the table's ``/reused`` keys): each
+    # case's plans are the natural ones and the grouped query layout of each that groups in its
+    # kernel (``plans.with_grouped_layouts``), timed side by side; the grouping itself, paid once
+    # per mask, is not in the times. Case records are keyed apart (``:reused``).
+    reused_masks: bool = False
     minutes: float | None = None  # time budget of the measuring loop (None: no limit)
     plan_filter: str | None = None  # regular expression over plan names
     device: str = "cuda"

@@ -24,6 +24,7 @@ On a device without native kernels (the CPU smoke run) the plans are PyTorch-exe
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import re
@@ -52,7 +53,7 @@ from ..eligibility import rejection
 from ..errors import InvalidArgumentError, NativeKernelError
 from ..mask_state import MaskState, build_mask_state
 from ..plan_table import kernel_to_dict, plan_to_dict
-from ..plans import KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization
+from ..plans import KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization, with_grouped_layouts
 from ..prepare import PreparedPlan, prepare
 from ..runtime import execute
 from .config import ProfileConfig
@@ -140,9 +141,11 @@ def executor_plans(request: Request) -> list[PhysicalPlan]:
 
 def case_plans(request: Request, kernels: tuple[KernelSpec, ...],
                plan_filter: str | None) -> tuple[list[PhysicalPlan], dict[str, str]]:
-    """Eligible plans of one case (catalog plans, or executor plans without a catalog) and the
-    reasons of the rejected ones."""
+    """Eligible plans of one case (catalog plans, or executor plans without a catalog; for a reused
+    mask also their grouped query layout) and the reasons of the rejected ones."""
     space = plans_for(request.block_q, request.block_kv, kernels) if kernels else executor_plans(request)
+    if request.reused_mask:
+        space = with_grouped_layouts(space)
     eligible, rejected = [], {}
     for plan in space:
         reason = rejection(plan, request)
@@ -203,8 +206,10 @@ def build_problem(size: str, case: CaseSpec, config: ProfileConfig, device: torc
 
 
 def case_key(size: str, case: CaseSpec, config: ProfileConfig) -> str:
-    """What a case record is keyed by: the case at one size, dtype, head dim and batch."""
-    return f"{size}:{case.name}:{config.dtype}:d{config.head_dim}:b{config.batch}"
+    """What a case record is keyed by: the case at one size, dtype, head dim and batch (and
+    ``:reused`` for a mask that comes back)."""
+    key = f"{size}:{case.name}:{config.dtype}:d{config.head_dim}:b{config.batch}"
+    return f"{key}:reused" if config.reused_masks else key
 
 
 def validate_plan(key: str, plan: PhysicalPlan, problem: Problem, state: MaskState, inputs: list,
@@ -394,7 +399,7 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
                 log(f"case {key} could not be built ({type(err).__name__}: {err}); skipped")
                 bars.case_done("", skipped=True)
                 continue
-            request = request_of(problem)
+            request = dataclasses.replace(request_of(problem), reused_mask=config.reused_masks)
             plans, rejected = case_plans(request, kernels, config.plan_filter)
             state = build_mask_state(problem.mask)
             stats = state.host_stats()

@@ -1,0 +1,163 @@
+"""The plan of a mask that comes back, from the plan table's ``/reused`` key (``Request.reused_mask``,
+``Selector.reused_plan``): keys, plan records, the profiler's cases, the compiled key and the
+Runtime's once-per-mask re-preparation, on the CPU with executor plans."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tessera_diffusers import KvLayout, PhysicalPlan, QLayout, Runtime, TaskOrganization, build_mask_state
+from tessera_diffusers.catalog import hopper_kernels, plans_for, reference_kernel
+from tessera_diffusers.eligibility import rejection
+from tessera_diffusers.plan_table import plan_from_dict, plan_to_dict, tile_group
+from tessera_diffusers.plans import Request, with_grouped_layouts
+from tessera_diffusers.profile.compile import CompileOptions, compile_table
+from tessera_diffusers.profile.synthetic import synthetic_profile
+from tessera_diffusers.selector import GROUP_QUERIES_ENV, Selector, reused_mask_plan
+from tessera_diffusers.testing import check_against_reference, random_qkv
+
+CPU_REQUEST = Request(1, 2, 400, 400, 32, "fp32", 16, 16, "cpu")
+NATURAL = PhysicalPlan(16, 16, KvLayout.PACKED, TaskOrganization(), reference_kernel(32, "fp32", 64, 64))
+OTHER = PhysicalPlan(16, 16, KvLayout.CONTIGUOUS, TaskOrganization(), reference_kernel(32, "fp32", 32, 32))
+GROUPED = NATURAL.grouped()
+
+
+@pytest.fixture(autouse=True)
+def no_group_override(monkeypatch):
+    monkeypatch.delenv(GROUP_QUERIES_ENV, raising=False)
+
+
+def test_reused_requests_have_their_own_key():
+    reused = dataclasses.replace(CPU_REQUEST, reused_mask=True)
+    assert CPU_REQUEST.key == "cpu/Q16K16/d32/fp32/bshd"
+    assert reused.key == CPU_REQUEST.key + "/reused" and reused != CPU_REQUEST
+
+
+def test_plan_records_keep_the_query_layout():
+    assert "q_layout" not in plan_to_dict(NATURAL)  # natural records read as before
+    assert json.loads(json.dumps(plan_to_dict(GROUPED)))["q_layout"] == "grouped"
+    assert plan_from_dict(plan_to_dict(GROUPED)) == GROUPED and plan_from_dict(plan_to_dict(NATURAL)) == NATURAL
+    assert tile_group(GROUPED) != tile_group(NATURAL)  # schedule rules never swap layouts
+
+
+def test_with_grouped_layouts_adds_the_hopper_plans_that_group():
+    plans = plans_for(16, 16, hopper_kernels())
+    both = with_grouped_layouts(plans)
+    grouped = both[len(plans):]
+    assert both[:len(plans)] == plans and grouped
+    assert all(p.q_layout is QLayout.GROUPED and p.tile_q > 16 for p in grouped)
+    assert len(grouped) == sum(1 for p in plans if p.can_group_queries)
+    assert with_grouped_layouts([NATURAL]) == [NATURAL]  # the executor's plans are not ranked grouped
+    assert with_grouped_layouts(plans_for(128, 128, hopper_kernels())) == plans_for(128, 128, hopper_kernels())
+
+
+def cpu_table(reused_best: PhysicalPlan | None):
+    """A CPU table: ``NATURAL`` wins the natural key; on the ``/reused`` key (when ``reused_best``)
+    that plan wins, the others slower."""
+    plans = [NATURAL, OTHER, GROUPED]
+    requests = [CPU_REQUEST] + ([dataclasses.replace(CPU_REQUEST, reused_mask=True)] if reused_best else [])
+
+    def latency(plan, request, stats, rng):
+        if not request.reused_mask:
+            return None if plan.q_layout is QLayout.GROUPED else (1.0 if plan == NATURAL else 2.0)
+        return 0.5 if plan == reused_best else 1.5
+
+    table, _ = compile_table(synthetic_profile("cpu", (), plans, requests, latency, 8), CompileOptions(min_leaf=32))
+    return table
+
+
+def interleaved_mask(seed: int):
+    """Query block i sees the key blocks of pattern i % 3: grouping has work to do."""
+    gen = torch.Generator().manual_seed(seed)
+    patterns = torch.rand(1, 2, 3, 25, generator=gen) < 0.3
+    blocks = patterns[:, :, torch.arange(25) % 3] | (torch.rand(1, 2, 25, 25, generator=gen) < 0.03)
+    from tessera_diffusers import LogicalMask
+
+    return LogicalMask(blocks, 16, 16, 400, 400)
+
+
+def test_compiled_table_keeps_the_layouts_apart():
+    table = cpu_table(GROUPED)
+    reused = dataclasses.replace(CPU_REQUEST, reused_mask=True)
+    assert table.keys[CPU_REQUEST.key].base_plan == NATURAL.name
+    assert table.keys[reused.key].base_plan == GROUPED.name
+    assert table.plans[GROUPED.name] == GROUPED
+
+
+@pytest.mark.parametrize("reused_best", [GROUPED, OTHER, NATURAL])
+def test_selector_takes_the_reused_key(reused_best):
+    selector = Selector(table=cpu_table(reused_best))
+    state = build_mask_state(interleaved_mask(0))
+    assert selector.select(CPU_REQUEST, state) == NATURAL  # a mask's first request: natural plans only
+    chosen = selector.reused_plan(NATURAL, CPU_REQUEST, state)
+    assert chosen == reused_best
+    if reused_best == NATURAL:
+        assert chosen is NATURAL  # the same plan: nothing to re-prepare
+
+
+def test_selector_without_a_reused_key_keeps_the_rule(monkeypatch):
+    selector = Selector(table=cpu_table(None))
+    state = build_mask_state(interleaved_mask(0))
+    assert selector.reused_plan(NATURAL, CPU_REQUEST, state) is reused_mask_plan(NATURAL, CPU_REQUEST) is NATURAL
+    hopper = next(p for p in plans_for(16, 16, hopper_kernels()) if p.can_group_queries)
+    sm90 = dataclasses.replace(CPU_REQUEST, arch="sm90", heads=24, seq_len_q=32768, seq_len_kv=32768, head_dim=128,
+                               dtype=hopper.kernel.dtype)
+    no_table = Selector(table=None, kernels=hopper_kernels())
+    assert no_table.reused_plan(hopper, sm90, state) == hopper.grouped()  # the rule: Hopper, small blocks
+    monkeypatch.setenv(GROUP_QUERIES_ENV, "0")  # the override beats a table too
+    assert Selector(table=cpu_table(GROUPED)).reused_plan(NATURAL, CPU_REQUEST, state) is NATURAL
+
+
+def test_reused_choice_is_eligible_for_the_request():
+    selector = Selector(table=cpu_table(GROUPED))
+    state = build_mask_state(interleaved_mask(0))
+    chosen = selector.reused_plan(NATURAL, CPU_REQUEST, state)
+    assert rejection(chosen, CPU_REQUEST) is None
+
+
+@pytest.mark.parametrize("reused_best", [GROUPED, OTHER])
+def test_runtime_reprepares_a_reused_mask_once_in_the_table_plan(reused_best):
+    runtime = Runtime(selector=Selector(table=cpu_table(reused_best)))
+    mask = interleaved_mask(3)
+    q, k, v = random_qkv(1, 400, 400, 2, 32, torch.float32, "cpu", seed=3)
+    plans = []
+    for _ in range(4):
+        out = runtime.attention(q, k, v, mask, scale=0.2)
+        assert check_against_reference(out, None, q, k, v, mask, 0.2).ok()
+        plans.append(runtime._cache[next(iter(runtime._cache))][1].plan)
+    assert plans == [NATURAL, reused_best, reused_best, reused_best]
+    assert runtime.regroupings == 1
+
+
+def test_runtime_keeps_the_plan_when_the_table_says_so():
+    runtime = Runtime(selector=Selector(table=cpu_table(NATURAL)))
+    mask = interleaved_mask(4)
+    q, k, v = random_qkv(1, 400, 400, 2, 32, torch.float32, "cpu", seed=4)
+    first = runtime.prepared_for(mask, CPU_REQUEST, None)
+    assert runtime.prepared_for(mask, CPU_REQUEST, None) is first and runtime.regroupings == 0
+    assert check_against_reference(runtime.attention(q, k, v, mask), None, q, k, v, mask).ok()
+
+
+def test_profiler_cases_of_reused_masks(tmp_path):
+    """A smoke profile with ``reused_masks``: its cases are keyed apart, its requests carry the
+    flag, and the compiled table has the ``/reused`` key only."""
+    from tessera_diffusers.profile.compile import load_profile
+    from tessera_diffusers.profile.config import smoke_config
+    from tessera_diffusers.profile.runner import case_key, run_profile
+
+    config = smoke_config(tmp_path, families=("Q32K16",), reused_masks=True, progress=False)
+    summary = run_profile(config, log=lambda line: None)
+    assert summary.cases_done == summary.cases_total > 0 and summary.stopped is None
+    size, case = config.cases()[0]
+    assert case_key(size, case, config).endswith(":reused")
+    profile = load_profile([summary.records_path])
+    keys = {c.request.key for c in profile.cases}
+    assert len(keys) == 1 and next(iter(keys)).endswith("/Q32K16/d64/bf16/bshd/reused")
+    assert all(c.request.reused_mask for c in profile.cases)
+    table, _ = compile_table(profile, CompileOptions(min_leaf=1))
+    assert list(table.keys) == list(keys)
+
