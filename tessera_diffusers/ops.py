@@ -23,7 +23,7 @@ from .plans import Family, KernelSpec, PhysicalPlan
 from .prepare import PreparedPlan, WorkspaceLayout
 
 LIBRARY_FILE = "libtessera_kernels.so"
-ABI_VERSION = 4
+ABI_VERSION = 5
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 

@@ -8,24 +8,38 @@ union is much larger than any one row. Gathering alike rows into a tile shrinks 
 
 The algorithm (``csrc/include/tessera/regroup.cuh`` implements exactly this, bit for bit): per mask
 head ``(mb, mh)``, row ``i < nQ`` has the key set ``{j : blocks[mb, mh, i, j]}``; ``g = group``,
-``W = window``.
+``W = window``. The head's rows are cut into *segments* of ``S`` consecutive rows, ``S = segment``
+rounded up to a multiple of ``g`` (``segment = 0``, or ``S >= nQ``: one segment of all ``nQ`` rows;
+only the last segment may be shorter), and the greedy runs in each segment ``[lo, hi)`` on its own.
+Every group lies within one segment, and since ``S`` is a multiple of ``g`` segment ``[lo, hi)``
+fills exactly positions ``lo .. hi - 1`` of the order; the segments are independent chains of picks,
+which the kernel runs side by side.
 
-    free[i] = true for every i; written = 0; seed = 0
-    while written < nQ:
-        seed = first free i >= seed            (from the previous seed on: the scan only moves forward)
-        take seed: q_units[written] = seed; union = row[seed]
-        n = min(g, nQ - written)
-        for k in 1 .. n - 1:
-            candidates = free c with seed < c <= seed + W and c < nQ
-            if any: pick = the candidate with the fewest key blocks outside union
-                           (popcount(row[c] & ~union)); ties: the lowest c
-            else:   pick = the first free c > seed
-            take pick: q_units[written + k] = pick; union |= row[pick]
-        greedy += popcount(union); written += n
+    greedy = 0
+    for each segment [lo, hi):
+        free[i] = true for lo <= i < hi; written = lo; seed = lo
+        while written < hi:
+            seed = first free i >= seed        (from the previous seed on: the scan only moves forward)
+            take seed: q_units[written] = seed; union = row[seed]
+            n = min(g, hi - written)
+            for k in 1 .. n - 1:
+                candidates = free c with seed < c <= seed + W and c < hi
+                if any: pick = the candidate with the fewest key blocks outside union
+                               (popcount(row[c] & ~union)); ties: the lowest c
+                else:   pick = the first free c > seed       (one exists: written + k < hi)
+                take pick: q_units[written + k] = pick; union |= row[pick]
+            greedy += popcount(union); written += n
     q_units[nQ .. num_slots) = -1                (num_slots = ceil(nQ / g) * g)
     natural = sum over the groups {t * g .. t * g + g - 1} (clipped at nQ) of popcount(their union)
-    if natural <= greedy: q_units[i] = i for i < nQ (the natural order wins ties)
+    if natural <= greedy: q_units[i] = i for i < nQ (the natural order wins ties; per head: greedy
+                                                     sums every segment's groups)
     key_blocks = (natural, greedy)
+
+Segments cost little, since a group takes rows near its seed: ``DEFAULT_SEGMENT`` is the smallest
+of 128, 256 and 512 blocks that scheduled at most 1% more key blocks than one segment per head on
+every (family, source, g) of the corpus at N = 32k (Q16K16, Q32K16 and Q32K32, g = 2 .. 8, three
+cases each; at most +0.8% at 128, and up to -4.8% where a boundary helped the greedy:
+``benchmarks/results/segment_sweep_cpu.md``, ``benchmarks/grouping_segments.py``).
 
 ``g = 1`` gives the natural order. ``group_query_blocks`` runs the CUDA kernel for a CUDA tensor
 when the loaded library has it and ``TESSERA_NATIVE_PREPARE`` is not ``"0"``; otherwise (and for a
@@ -55,6 +69,11 @@ from .native_prepare import (
 )
 
 DEFAULT_WINDOW = 64  # query blocks after a group's seed it may take
+DEFAULT_SEGMENT = 128  # query blocks per segment (module docstring)
+# On the CPU the torch code groups its runs (segments) in batches whose candidate rows take at most
+# this many bytes: larger temporaries ran several times slower (24 heads of Q16K16 at N = 32k in
+# 192 segments of 256 rows, 2 cores: 17-22 s in one batch of 25 MB, 1.5-3 s in batches of 2-3 MB).
+CPU_BATCH_BYTES = 1 << 21
 STRUCT_GROUP = 5  # TESSERA_STRUCT_GROUP of params.h
 CUDA_ERROR_INVALID_CONFIGURATION = 9  # the kernel's window of packed rows does not fit in shared memory
 
@@ -67,8 +86,10 @@ class TesseraGroupParams(ctypes.Structure):
         ("group", ctypes.c_int32),
         ("window", ctypes.c_int32),
         ("num_slots", ctypes.c_int32),
+        ("segment", ctypes.c_int32),
         ("q_units", ctypes.c_void_p),
         ("key_blocks", ctypes.c_void_p),
+        ("segment_key_blocks", ctypes.c_void_p),
     ]
 
 
@@ -80,17 +101,27 @@ class QueryGrouping:
     key_blocks: torch.Tensor  # [Bm, Hm, 2] int64: key blocks summed over the groups, (natural, greedy)
 
 
-def check_arguments(blocks: torch.Tensor, group: int, window: int) -> None:
+def check_arguments(blocks: torch.Tensor, group: int, window: int, segment: int) -> None:
     if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4 or blocks.numel() == 0:
         raise InvalidArgumentError("blocks", "a non-empty [Bm, Hm, nQ, nKV] bool tensor", describe_tensor(blocks))
     for name, value in (("group", group), ("window", window)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgumentError(name, "a positive number of query blocks", repr(value))
+    if isinstance(segment, bool) or not isinstance(segment, int) or segment < 0:
+        raise InvalidArgumentError("segment", "0 (one segment per head) or a positive number of query blocks "
+                                   "(rounded up to a multiple of group)", repr(segment))
 
 
 def num_slots(rows: int, group: int) -> int:
     """Entries per head of ``q_units``: whole groups of ``group``."""
     return math.ceil(rows / group) * group
+
+
+def segment_rows(rows: int, group: int, segment: int) -> int:
+    """Query blocks per segment of a head of ``rows`` blocks: ``segment`` rounded up to a multiple of
+    ``group``, or ``rows`` (one segment) for 0 or from ``rows`` on."""
+    length = math.ceil(segment / group) * group
+    return rows if length == 0 or length >= rows else length
 
 
 def natural_units(rows: int, slots: int, device: torch.device) -> torch.Tensor:
@@ -99,47 +130,87 @@ def natural_units(rows: int, slots: int, device: torch.device) -> torch.Tensor:
     return torch.where(units < rows, units, -1)
 
 
-def group_query_blocks_torch(blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW) -> QueryGrouping:
-    """The grouping of ``blocks`` ``[Bm, Hm, nQ, nKV]`` (bool, any strides) in torch: the heads side by
-    side, one pick at a time. Each candidate's count of key blocks outside the union is kept and
-    lowered by the blocks each pick adds (exact integers, so the same picks as recounting)."""
-    check_arguments(blocks, group, window)
-    bm, hm, n_q, n_kv = blocks.shape
-    device = blocks.device
-    rows = blocks.reshape(bm * hm, n_q, n_kv)  # [G, nQ, nKV]
-    heads = rows.shape[0]
-    head = torch.arange(heads, device=device)
-    positions = torch.arange(n_q, device=device)
-    ahead = torch.arange(1, min(window, n_q - 1) + 1, device=device)  # [W'] candidate offsets from the seed
-    slots = num_slots(n_q, group)
-    order = torch.full((heads, slots), -1, dtype=torch.int64, device=device)
-    free = torch.ones(heads, n_q, dtype=torch.bool, device=device)
-    seed = torch.zeros(heads, dtype=torch.int64, device=device)
-    greedy = torch.zeros(heads, dtype=torch.int64, device=device)
-    for start in range(0, n_q, group):
-        size = min(group, n_q - start)
+def greedy_orders(rows: torch.Tensor, group: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy of the module docstring on ``rows`` ``[G, n, nKV]`` bool, each of its ``G`` runs
+    of ``n`` rows on its own: ``(order, greedy)``, the order ``[G, ceil(n / group) * group]`` int64
+    (-1 past the last row) and its key blocks ``[G]`` int64. The runs go side by side, on the CPU in
+    batches of at most ``CPU_BATCH_BYTES`` of candidate rows."""
+    runs, n, n_kv = rows.shape
+    per_batch = runs if rows.device.type != "cpu" else max(1, CPU_BATCH_BYTES // (max(1, min(window, n - 1)) * n_kv))
+    if per_batch >= runs:
+        return greedy_batch(rows, group, window)
+    batches = [greedy_batch(rows[i:i + per_batch], group, window) for i in range(0, runs, per_batch)]
+    return torch.cat([order for order, _ in batches]), torch.cat([greedy for _, greedy in batches])
+
+
+def greedy_batch(rows: torch.Tensor, group: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy_orders`` of every run at once, one pick at a time. Each candidate's count of key
+    blocks outside the union is kept and lowered by the blocks each pick adds (exact integers, so
+    the same picks as recounting)."""
+    runs, n, n_kv = rows.shape
+    device = rows.device
+    run = torch.arange(runs, device=device)
+    positions = torch.arange(n, device=device)
+    ahead = torch.arange(1, min(window, n - 1) + 1, device=device)  # [W'] candidate offsets from the seed
+    order = torch.full((runs, num_slots(n, group)), -1, dtype=torch.int64, device=device)
+    free = torch.ones(runs, n, dtype=torch.bool, device=device)
+    seed = torch.zeros(runs, dtype=torch.int64, device=device)
+    greedy = torch.zeros(runs, dtype=torch.int64, device=device)
+    for start in range(0, n, group):
+        size = min(group, n - start)
         seed = (free & (positions >= seed[:, None])).int().argmax(1)  # argmax: the first free one
-        free[head, seed] = False
+        free[run, seed] = False
         order[:, start] = seed
-        union = rows[head, seed]  # [G, nKV]
+        union = rows[run, seed]  # [G, nKV]
         if size > 1:
             candidates = seed[:, None] + ahead  # [G, W']
-            in_range = candidates < n_q
-            candidates = candidates.clamp(max=n_q - 1)
-            candidate_rows = rows[head[:, None], candidates]  # [G, W', nKV]
+            in_range = candidates < n
+            candidates = candidates.clamp(max=n - 1)
+            candidate_rows = rows[run[:, None], candidates]  # [G, W', nKV]
             outside = (candidate_rows & ~union[:, None]).sum(-1)  # [G, W'] key blocks outside the union
             for k in range(1, size):
                 open_ = free.gather(1, candidates) & in_range
                 best = torch.where(open_, outside, n_kv + 1).argmin(1)  # argmin: the lowest c of a tie
                 first_after = (free & (positions > seed[:, None])).int().argmax(1)
-                pick = torch.where(open_.any(1), candidates[head, best], first_after)
-                free[head, pick] = False
+                pick = torch.where(open_.any(1), candidates[run, best], first_after)
+                free[run, pick] = False
                 order[:, start + k] = pick
-                added = rows[head, pick] & ~union
+                added = rows[run, pick] & ~union
                 union = union | added
                 outside -= (candidate_rows & added[:, None]).sum(-1)
         greedy += union.sum(-1)
+    return order, greedy
+
+
+def group_query_blocks_torch(
+    blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW, *, segment: int = DEFAULT_SEGMENT
+) -> QueryGrouping:
+    """The grouping of ``blocks`` ``[Bm, Hm, nQ, nKV]`` (bool, any strides) in torch, in segments of
+    ``segment`` query blocks (module docstring): the segments of every head side by side
+    (``greedy_orders``), those of ``S`` rows together, then the heads' last, shorter ones."""
+    check_arguments(blocks, group, window, segment)
+    bm, hm, n_q, n_kv = blocks.shape
+    device = blocks.device
+    rows = blocks.reshape(bm * hm, n_q, n_kv)  # [G, nQ, nKV]
+    heads = rows.shape[0]
+    length = segment_rows(n_q, group, segment)
+    # Segments of `length` rows whose orders hold no padding (all when length is a multiple of g),
+    # then the rest: a head's last, shorter segment, or its one segment of nQ rows.
+    whole = n_q // length if length % group == 0 else 0
+    rest = n_q - whole * length
+    orders, greedy = [], torch.zeros(heads, dtype=torch.int64, device=device)
+    if whole:
+        order, counts = greedy_orders(rows[:, :whole * length].reshape(heads * whole, length, n_kv), group, window)
+        first = torch.arange(whole, device=device)[:, None] * length  # [whole, 1] each segment's first row
+        orders.append((order.view(heads, whole, length) + first).view(heads, whole * length))
+        greedy += counts.view(heads, whole).sum(1)
+    if rest:
+        order, counts = greedy_orders(rows[:, whole * length:], group, window)
+        orders.append(torch.where(order >= 0, order + whole * length, -1))
+        greedy += counts
+    order = torch.cat(orders, 1)  # [G, num_slots]
     natural = group_activity(rows, group, dim=-2).sum((-2, -1))
+    slots = num_slots(n_q, group)
     order = torch.where((natural <= greedy)[:, None], natural_units(n_q, slots, device), order)
     return QueryGrouping(
         q_units=order.to(torch.int32).view(bm, hm, slots),
@@ -171,10 +242,13 @@ def native_grouping_enabled(device: torch.device) -> bool:
     return native_path_enabled(device) and grouping_library() is not None
 
 
-def group_query_blocks_native(blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW) -> QueryGrouping:
-    """``group_query_blocks_torch`` in the native library: one allocation and one launch, no sync.
-    A window of packed rows too large for the kernel's shared memory takes the torch code."""
-    check_arguments(blocks, group, window)
+def group_query_blocks_native(
+    blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW, *, segment: int = DEFAULT_SEGMENT
+) -> QueryGrouping:
+    """``group_query_blocks_torch`` in the native library: one allocation (the outputs and the
+    segments' key blocks) and two launches, no sync. A window of packed rows too large for the
+    kernel's shared memory takes the torch code."""
+    check_arguments(blocks, group, window, segment)
     device = blocks.device
     if device.type != "cuda":
         raise InvalidArgumentError("blocks", "a CUDA tensor for the native path", f"device {device}")
@@ -184,40 +258,57 @@ def group_query_blocks_native(blocks: torch.Tensor, group: int, window: int = DE
                            "`python csrc/build_native.py`, or set TESSERA_NATIVE_PREPARE=0")
     bm, hm, n_q, _ = blocks.shape
     heads, slots = bm * hm, num_slots(n_q, group)
+    length = segment_rows(n_q, group, segment)
+    segments = math.ceil(n_q / length)
     p = TesseraGroupParams()
     p.mask = block_mask_struct(blocks)
     # Past nQ - 1 a wider window changes nothing: the clamp keeps any Python int within int32.
     p.group, p.window, p.num_slots = group, min(window, n_q), slots
+    p.segment = 0 if segments == 1 else length
     with on_device(device):
-        buffer = torch.empty(2 * heads + (heads * slots + 1) // 2, dtype=torch.int64, device=device)
+        counts = 2 * heads * (1 + segments)  # key_blocks, then segment_key_blocks
+        buffer = torch.empty(counts + (heads * slots + 1) // 2, dtype=torch.int64, device=device)
         key_blocks = buffer[:2 * heads].view(bm, hm, 2)
-        q_units = buffer.view(torch.int32)[4 * heads:4 * heads + heads * slots].view(bm, hm, slots)
+        segment_key_blocks = buffer[2 * heads:counts]  # [Bm, Hm, segments, 2] scratch
+        q_units = buffer.view(torch.int32)[2 * counts:2 * counts + heads * slots].view(bm, hm, slots)
         p.q_units, p.key_blocks = q_units.data_ptr(), key_blocks.data_ptr()
+        p.segment_key_blocks = segment_key_blocks.data_ptr()
         code = lib.handle.tessera_group_query_blocks(ctypes.byref(p), stream_handle(device))
     if code == CUDA_ERROR_INVALID_CONFIGURATION:
-        return group_query_blocks_torch(blocks, group, window)
+        return group_query_blocks_torch(blocks, group, window, segment=segment)
     lib.check(code, "native query grouping")
     return QueryGrouping(q_units=q_units, key_blocks=key_blocks)
 
 
 def query_grouping(
-    blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW, *, native: bool | None = None
+    blocks: torch.Tensor,
+    group: int,
+    window: int = DEFAULT_WINDOW,
+    *,
+    segment: int = DEFAULT_SEGMENT,
+    native: bool | None = None,
 ) -> QueryGrouping:
-    """The grouping of ``blocks`` ``[Bm, Hm, nQ, nKV]`` bool: ``native`` True / False forces the CUDA
-    kernel / the torch code; None picks the kernel where ``native_grouping_enabled``."""
-    check_arguments(blocks, group, window)
+    """The grouping of ``blocks`` ``[Bm, Hm, nQ, nKV]`` bool in segments of ``segment`` query blocks
+    (module docstring): ``native`` True / False forces the CUDA kernel / the torch code; None picks
+    the kernel where ``native_grouping_enabled``."""
+    check_arguments(blocks, group, window, segment)
     if native is None:
         native = native_grouping_enabled(blocks.device)
-    return group_query_blocks_native(blocks, group, window) if native else group_query_blocks_torch(
-        blocks, group, window)
+    grouping = group_query_blocks_native if native else group_query_blocks_torch
+    return grouping(blocks, group, window, segment=segment)
 
 
 def group_query_blocks(
-    blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW, *, native: bool | None = None
+    blocks: torch.Tensor,
+    group: int,
+    window: int = DEFAULT_WINDOW,
+    *,
+    segment: int = DEFAULT_SEGMENT,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """``q_units`` ``[Bm, Hm, ceil(nQ / group) * group]`` int32 on ``blocks``' device: per mask head,
     the query block at each position of the grouped layout (module docstring), -1 past the last."""
-    return query_grouping(blocks, group, window, native=native).q_units
+    return query_grouping(blocks, group, window, segment=segment, native=native).q_units
 
 
 def permuted_blocks(blocks: torch.Tensor, q_units: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Query-block grouping (tessera_diffusers/regroup.py) on the CPU: the torch code against a scalar
-transcription of the algorithm in the module docstring, the properties every grouping has (a
-permutation padded with -1, never more key blocks than the natural order), worked examples and the
+transcription of the algorithm in the module docstring (one segment per head and several segment
+sizes), the properties every grouping has (a permutation padded with -1, each segment's positions
+holding its own blocks, never more key blocks than the natural order), worked examples and the
 argument checks. ``test_regroup_gpu.py`` checks the CUDA kernel against the torch code."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tessera_diffusers import InvalidArgumentError
+from tessera_diffusers import InvalidArgumentError, regroup
 from tessera_diffusers.mask_state import group_activity
 from tessera_diffusers.regroup import (
     DEFAULT_WINDOW,
@@ -27,28 +28,35 @@ GROUPS = (1, 2, 4, 8)
 WINDOWS = (1, 3, DEFAULT_WINDOW)
 
 
-def scalar_grouping(rows: list[set[int]], group: int, window: int) -> tuple[list[int], tuple[int, int]]:
-    """The module docstring's algorithm for one head, one set operation at a time."""
+def scalar_grouping(
+    rows: list[set[int]], group: int, window: int, segment: int = 0
+) -> tuple[list[int], tuple[int, int]]:
+    """The module docstring's algorithm for one head, one set operation at a time: the greedy in
+    each segment of ``segment`` rows rounded up to whole groups (0: one segment)."""
     n = len(rows)
+    length = -(-segment // group) * group or n
     free = [True] * n
     order: list[int] = []
-    seed = greedy = 0
-    while len(order) < n:
-        while not free[seed]:
-            seed += 1
-        free[seed] = False
-        order.append(seed)
-        union = set(rows[seed])
-        for _ in range(1, min(group, n - len(order) + 1)):
-            candidates = [c for c in range(seed + 1, min(seed + window, n - 1) + 1) if free[c]]
-            if candidates:
-                pick = min(candidates, key=lambda c: (len(rows[c] - union), c))
-            else:
-                pick = next(c for c in range(seed + 1, n) if free[c])
-            free[pick] = False
-            order.append(pick)
-            union |= rows[pick]
-        greedy += len(union)
+    greedy = 0
+    for lo in range(0, n, length):
+        hi = min(lo + length, n)
+        seed = lo
+        while len(order) < hi:
+            while not free[seed]:
+                seed += 1
+            free[seed] = False
+            order.append(seed)
+            union = set(rows[seed])
+            for _ in range(1, min(group, hi - len(order) + 1)):
+                candidates = [c for c in range(seed + 1, min(seed + window, hi - 1) + 1) if free[c]]
+                if candidates:
+                    pick = min(candidates, key=lambda c: (len(rows[c] - union), c))
+                else:
+                    pick = next(c for c in range(seed + 1, hi) if free[c])
+                free[pick] = False
+                order.append(pick)
+                union |= rows[pick]
+            greedy += len(union)
     natural = sum(len(set().union(*rows[t:t + group])) for t in range(0, n, group))
     if natural <= greedy:
         order = list(range(n))
@@ -96,17 +104,86 @@ def scheduled_key_blocks(blocks: torch.Tensor, q_units: torch.Tensor, group: int
     return group_activity(permuted_blocks(blocks, q_units), group, dim=-2).sum((-2, -1))
 
 
+def assert_equals_the_scalar_algorithm(blocks: torch.Tensor, group: int, window: int, segment: int, label: str):
+    grouping = group_query_blocks_torch(blocks, group, window, segment=segment)
+    bm, hm = blocks.shape[:2]
+    units = grouping.q_units.reshape(bm * hm, -1).tolist()
+    key_blocks = grouping.key_blocks.reshape(bm * hm, 2).tolist()
+    for head, rows in enumerate(key_sets(blocks)):
+        order, counts = scalar_grouping(rows, group, window, segment)
+        where = f"{label} head {head} g={group} W={window} S={segment}"
+        assert units[head] == order, where
+        assert tuple(key_blocks[head]) == counts, where
+
+
 @pytest.mark.parametrize("group,window", list(itertools.product(GROUPS, WINDOWS)), ids=str)
 def test_torch_grouping_equals_the_scalar_algorithm(group, window):
     for label, blocks in test_cases():
-        grouping = group_query_blocks_torch(blocks, group, window)
-        bm, hm = blocks.shape[:2]
-        units = grouping.q_units.reshape(bm * hm, -1).tolist()
-        key_blocks = grouping.key_blocks.reshape(bm * hm, 2).tolist()
-        for head, rows in enumerate(key_sets(blocks)):
-            order, counts = scalar_grouping(rows, group, window)
-            assert units[head] == order, f"{label} head {head}"
-            assert tuple(key_blocks[head]) == counts, f"{label} head {head}"
+        assert_equals_the_scalar_algorithm(blocks, group, window, 0, label)
+
+
+def segmented_cases() -> list[tuple[str, torch.Tensor]]:
+    """Masks of several segments: nQ a multiple of neither the group nor the segment, empty rows,
+    rows alike a few apart (so that segment boundaries change the greedy)."""
+    return [
+        ("random sparse", random_blocks(2, 2, 29, 11, 0.25, seed=11)),
+        ("random dense", random_blocks(1, 2, 41, 23, 0.55, seed=12)),
+        ("structured", structured_blocks(3, 53, 37, seed=13)),
+        ("empty rows", random_blocks(1, 3, 35, 9, 0.35, seed=14) & (torch.arange(35) % 4 != 2)[:, None]),
+        ("all empty", torch.zeros(1, 1, 19, 6, dtype=torch.bool)),
+    ]
+
+
+@pytest.mark.parametrize("segment", (1, 2, 3, 5, 8, 12, 16))
+@pytest.mark.parametrize("group,window", list(itertools.product((1, 2, 3, 4), (1, 3, DEFAULT_WINDOW))), ids=str)
+def test_segmented_torch_grouping_equals_the_scalar_algorithm(group, window, segment):
+    for label, blocks in segmented_cases():
+        assert_equals_the_scalar_algorithm(blocks, group, window, segment, label)
+
+
+@pytest.mark.parametrize("group", (1, 2, 3, 4, 8))
+def test_segment_zero_or_past_the_rows_is_one_segment(group):
+    for label, blocks in segmented_cases():
+        n_q = blocks.shape[2]
+        one = query_grouping(blocks, group, 5, segment=0)
+        for segment in (n_q, n_q + 1, 10 * n_q):
+            other = query_grouping(blocks, group, 5, segment=segment)
+            assert torch.equal(other.q_units, one.q_units) and torch.equal(other.key_blocks, one.key_blocks), label
+
+
+def test_a_segment_rounds_up_to_whole_groups():
+    blocks = structured_blocks(2, 45, 30, seed=15)
+    for group, segment, whole in ((2, 3, 4), (4, 5, 8), (4, 8, 8), (3, 7, 9), (8, 1, 8)):
+        rounded = query_grouping(blocks, group, 6, segment=segment)
+        exact = query_grouping(blocks, group, 6, segment=whole)
+        assert torch.equal(rounded.q_units, exact.q_units) and torch.equal(rounded.key_blocks, exact.key_blocks)
+
+
+@pytest.mark.parametrize("group,segment", [(1, 1), (2, 2), (2, 6), (3, 9), (4, 8), (4, 12), (8, 16)], ids=str)
+def test_segments_hold_their_own_blocks(group, segment):
+    """Each segment's positions hold exactly its blocks (groups never cross a boundary), -1 only past
+    nQ, and the schedule is the fewer of natural and greedy."""
+    for label, blocks in segmented_cases():
+        grouping = query_grouping(blocks, group, DEFAULT_WINDOW, segment=segment)
+        q_units = grouping.q_units.long()
+        n_q = blocks.shape[2]
+        assert tuple(q_units.shape) == (*blocks.shape[:2], math.ceil(n_q / group) * group), label
+        assert (q_units[..., n_q:] == -1).all(), label
+        for lo in range(0, n_q, segment):
+            hi = min(lo + segment, n_q)
+            held = q_units[..., lo:hi].sort(-1).values
+            assert torch.equal(held, torch.arange(lo, hi).expand_as(held)), f"{label} segment [{lo}, {hi})"
+        natural = group_activity(blocks, group, dim=-2).sum((-2, -1))
+        assert torch.equal(grouping.key_blocks[..., 0], natural), label
+        assert torch.equal(scheduled_key_blocks(blocks, q_units, group), grouping.key_blocks.min(-1).values), label
+
+
+def test_cpu_batches_group_like_one_batch(monkeypatch):
+    blocks = structured_blocks(3, 61, 40, seed=16)
+    whole = query_grouping(blocks, 4, 6, segment=8)
+    monkeypatch.setattr(regroup, "CPU_BATCH_BYTES", 1)  # one segment per batch
+    batched = query_grouping(blocks, 4, 6, segment=8)
+    assert torch.equal(batched.q_units, whole.q_units) and torch.equal(batched.key_blocks, whole.key_blocks)
 
 
 @pytest.mark.parametrize("group,window", list(itertools.product(GROUPS, WINDOWS)), ids=str)
@@ -162,6 +239,21 @@ def test_the_window_bounds_the_candidates():
     assert group_query_blocks(blocks, 2, 1).flatten().tolist() == [0, 1, 2, 3]
 
 
+def test_a_segment_boundary_keeps_alike_rows_apart():
+    blocks = rows_to_blocks([{0}, {1}, {0}, {1}], 2)
+    assert group_query_blocks(blocks, 2, segment=0).flatten().tolist() == [0, 2, 1, 3]
+    # Segments [0, 2) and [2, 4): each segment's only group is its natural one.
+    grouping = query_grouping(blocks, 2, segment=2)
+    assert grouping.q_units.flatten().tolist() == [0, 1, 2, 3]
+    assert grouping.key_blocks.flatten().tolist() == [4, 4]
+    # Segments [0, 3) and a last one of row 3 alone: the window of seed 0 stops at row 2.
+    blocks = rows_to_blocks([{0}, {1}, {2}, {0}], 3)
+    assert query_grouping(blocks, 3, 3, segment=0).key_blocks.flatten().tolist() == [4, 3]
+    grouping = query_grouping(blocks, 3, 3, segment=3)
+    assert grouping.q_units.flatten().tolist() == [0, 1, 2, 3, -1, -1]
+    assert grouping.key_blocks.flatten().tolist() == [4, 4]
+
+
 def test_a_full_window_falls_back_to_the_next_free_block():
     # Seed 0 takes rows 2 and 3; from seed 1 the window (1, 4] holds only row 4 free, and once it is
     # taken the group's last row is the first free one after the seed: row 5.
@@ -197,10 +289,15 @@ def test_permuted_blocks_reads_rows_in_order_and_leaves_padding_empty():
     (lambda b: group_query_blocks(b[0], 2), "blocks"),
     (lambda b: group_query_blocks(b[:, :, :0], 2), "blocks"),
     (lambda b: group_query_blocks(b, 2, native=True), "blocks"),  # the native path needs CUDA
+    (lambda b: group_query_blocks(b, 2, segment=-2), "segment"),
+    (lambda b: group_query_blocks(b, 2, segment=2.0), "segment"),
+    (lambda b: group_query_blocks(b, 2, segment=True), "segment"),
+    (lambda b: group_query_blocks_torch(b, 2, segment=None), "segment"),
     (lambda b: permuted_blocks(b, torch.zeros(1, 1, 4)), "q_units"),
     (lambda b: permuted_blocks(b, torch.zeros(2, 1, 4, dtype=torch.int32)), "q_units"),
 ], ids=["group 0", "window 0", "float group", "bool group", "float blocks", "3-D blocks", "no rows",
-        "native on cpu", "float q_units", "q_units of another shape"])
+        "native on cpu", "negative segment", "float segment", "bool segment", "no segment", "float q_units",
+        "q_units of another shape"])
 def test_bad_arguments_raise(call, argument):
     blocks = random_blocks(1, 1, 4, 3, 0.5, seed=10)
     with pytest.raises(InvalidArgumentError) as info:
@@ -209,6 +306,8 @@ def test_bad_arguments_raise(call, argument):
 
 
 def test_struct_mirror_layout():
-    # TesseraBlockMask (56 bytes), three int32, then two pointers at 8-byte alignment.
-    assert ctypes.sizeof(TesseraGroupParams) == 88
+    # TesseraBlockMask (56 bytes), four int32, then three pointers.
+    assert ctypes.sizeof(TesseraGroupParams) == 96
+    assert TesseraGroupParams.segment.offset == 68
     assert TesseraGroupParams.q_units.offset == 72
+    assert TesseraGroupParams.segment_key_blocks.offset == 88

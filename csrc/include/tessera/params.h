@@ -130,15 +130,21 @@ typedef struct TesseraMaskCountsParams {
 
 // Query-block grouping for the grouped query layout (tessera_diffusers/regroup.py, algorithm in its
 // docstring): per (mb, mh) mask head, an order of the query blocks in which each run of `group`
-// consecutive entries (one query tile) shares few key blocks beyond its own.
+// consecutive entries (one query tile) shares few key blocks beyond its own. Each head's blocks are
+// grouped in independent segments of `segment` consecutive blocks (run side by side).
 typedef struct TesseraGroupParams {
   TesseraBlockMask mask;
   int32_t group;         // g: query blocks per query tile (>= 1)
   int32_t window;        // W: a group's candidates are the free blocks within W after its seed (>= 1)
   int32_t num_slots;     // ceil(nQ / g) * g: entries per head of q_units
+  int32_t segment;       // S: query blocks per segment, a multiple of g; groups never cross a segment
+                         // and segment s fills positions [s * S, min((s + 1) * S, nQ)). 0 (or >= nQ):
+                         // one segment per head
   int32_t* q_units;      // [Bm, Hm, num_slots] out: query block per position, -1 past the last block
   int64_t* key_blocks;   // [Bm, Hm, 2] out or NULL: key blocks summed over the groups of the natural
                          // order and of the greedy order (the head keeps the greedy one only when fewer)
+  int64_t* segment_key_blocks;  // [Bm, Hm, ceil(nQ / S), 2] scratch: the same per segment (one per
+                                // head when S is 0 or >= nQ)
 } TesseraGroupParams;
 
 // Sizes of the structs above (tessera_struct_bytes), so a mirror can check its layout.
@@ -185,4 +191,4 @@ int tessera_group_query_blocks(const TesseraGroupParams* params, void* stream);
 }
 #endif
 
-#define TESSERA_ABI_VERSION 4
+#define TESSERA_ABI_VERSION 5

@@ -1,8 +1,16 @@
 // Query-block grouping for the grouped query layout: the greedy of tessera_diffusers/regroup.py
-// (algorithm in its docstring), bit for bit, in one launch of one CTA per (mb, mh) mask head.
+// (algorithm in its docstring), bit for bit, in two launches:
 //
-// A head's greedy is a chain of nQ dependent picks, so a head is one CTA and the design follows
-// the latency of one pick. The CTA's warps have three roles:
+//   group_segment_kernel   one CTA per segment of S rows of a (mb, mh) mask head: the segment's
+//                          greedy order into its positions of q_units and its (natural, greedy) key
+//                          blocks into segment_key_blocks.
+//   choose_order_kernel    one CTA per head, after them in the stream: sums its segments' key
+//                          blocks, writes key_blocks, and rewrites the head's q_units to the natural
+//                          order where that schedules no more; pads q_units with -1.
+//
+// A segment's greedy is a chain of S dependent picks, so a segment is one CTA and the design follows
+// the latency of one pick; the segments of all heads run side by side. The CTA's warps have three
+// roles (rows below are the segment's, numbered from its first):
 //
 //   picker warp     runs the greedy, with no block barrier. Each lane keeps the counts of key
 //                   blocks outside the group's union of its candidates (j = lane + 32m) in registers.
@@ -25,14 +33,19 @@
 // picker has published a seed past it (after the helpers have read it), and taken[r % R] == r
 // tells whether row r is taken.
 //
+// The per-head choice needs every segment's sum, so it is a second kernel rather than a grid-wide
+// handshake: stream order makes the segments' stores visible to it, with no counters to reset and
+// no fences, and it costs one launch of ~nQ stores per head.
+//
 // Cost per pick, on the picker: a warp reduction, a pass over the union's words, and (listed words)
 // x W / 32 shared reads per lane (the seed lists all the nonzero words of its row). Measured on an
-// H200: ~0.8 us per query block at W = 64 and nKV = 2048, ~1.2 us at nKV = 4725, about twice that at
-// W = 256; the heads run side by side, so a mask costs about nQ times that. More warps per head
-// did not help (the picker's chain of shared-memory round trips is the bound): helpers computing
-// the seed's counts cost as much in barriers as they saved. A head whose ring does not fit in
-// shared memory (about (W + g + 64) * nKV / 8 bytes) gets cudaErrorInvalidConfiguration:
-// regroup.py then runs the torch code.
+// H200 with one segment per head: ~0.8 us per query block at W = 64 and nKV = 2048, ~1.2 us at
+// nKV = 4725, about twice that at W = 256, so a head cost about nQ times that. With segments a mask
+// should cost about S times that while all its segments fit on the device at once (not yet
+// measured). More warps per segment did not help (the picker's chain of shared-memory round trips
+// is the bound): helpers computing the seed's counts cost as much in barriers as they saved. A
+// segment whose ring does not fit in shared memory (about (W + g + 64) * nKV / 8 bytes) gets
+// cudaErrorInvalidConfiguration: regroup.py then runs the torch code.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -64,7 +77,9 @@ template <int kPerLane>
 constexpr int kListSteps = kPerLane > 8 ? 2 : 8;
 constexpr int kPollSleepNs = 256;  // a producer waiting for the seed to move: rows take ~1 us each
 constexpr unsigned kFullWarp = 0xffffffffu;
+constexpr int kChooseThreads = 256;  // choose_order_kernel: a head's q_units, a store per thread and pass
 static_assert(kThreads <= 512, "128 registers per thread for the widest picker");
+static_assert(kChooseThreads % 32 == 0, "whole warps sum the segments");
 
 // Scalars the roles share, at the start of the dynamic shared memory.
 struct Control {
@@ -81,7 +96,9 @@ struct Control {
 struct Layout {
   TesseraBlockMask mask;
   int group;         // g
-  int window;        // W' = min(W, nQ - 1): candidates per group
+  int segment;       // S: rows per segment, a multiple of g (nQ: one segment per head)
+  int segments;      // ceil(nQ / S): CTAs per head
+  int window;        // W' = min(W, S - 1): candidates per group
   int num_slots;     // entries per head of q_units
   int words;         // ceil(nKV / 32): words of a packed row
   int ld;            // ring row stride in words: odd, so lanes over candidates read distinct banks
@@ -90,7 +107,26 @@ struct Layout {
   int contiguous;    // 1: the columns are contiguous bytes (16-byte loads)
   int32_t* q_units;
   int64_t* key_blocks;
+  int64_t* segment_key_blocks;  // [heads, segments, 2]: (natural, greedy) per segment
 };
+
+// The rows one CTA groups: rows [begin, begin + rows) of head `head` (= mb * Hm + mh), its segment
+// `index`. The roles number them from 0 (a row r of the roles is row begin + r of the head).
+struct Segment {
+  int64_t head;
+  int index;
+  int begin;  // index * S: a multiple of g, so the natural groups start at the same rows
+  int rows;   // S, or fewer in a head's last segment
+};
+
+__device__ __forceinline__ Segment segment_of_block(const Layout& l) {
+  Segment seg;
+  seg.head = blockIdx.x / l.segments;
+  seg.index = int(blockIdx.x % l.segments);
+  seg.begin = seg.index * l.segment;
+  seg.rows = min(l.segment, l.mask.rows - seg.begin);
+  return seg;
+}
 
 // The dynamic shared memory, carved in 4-byte words after Control.
 struct Shared {
@@ -237,11 +273,12 @@ __device__ __forceinline__ void pack_strided(const uint8_t* row, int64_t stride,
   }
 }
 
-// Producer `producer`: rows producer, producer + kProducerWarps, ... of the head at `slice`.
-__device__ void produce(const Layout& l, const Shared& s, const uint8_t* slice, int producer) {
+// Producer `producer`: rows producer, producer + kProducerWarps, ... of the `rows` rows from `first`
+// (the segment's first row).
+__device__ void produce(const Layout& l, const Shared& s, const uint8_t* first, int rows, int producer) {
   const int lane = threadIdx.x & 31;
   int64_t limit = 0;  // rows below it may be written: the seed last read + R
-  for (int r = producer; r < l.mask.rows; r += kProducerWarps) {
+  for (int r = producer; r < rows; r += kProducerWarps) {
     if (r >= limit) {  // the ring slot may still hold a row the picker reads
       while (r >= (limit = int64_t(load_relaxed(s.control->seed)) + l.ring)) __nanosleep(kPollSleepNs);
       fence_acquire();
@@ -253,7 +290,7 @@ __device__ void produce(const Layout& l, const Shared& s, const uint8_t* slice, 
       packed[w] = word;
       count += __popc(word);
     };
-    const uint8_t* row = slice + int64_t(r) * l.mask.stride[2];
+    const uint8_t* row = first + int64_t(r) * l.mask.stride[2];
     if (l.contiguous)
       pack_contiguous(row, l.mask.cols, l.words, lane, sink);
     else
@@ -267,12 +304,12 @@ __device__ void produce(const Layout& l, const Shared& s, const uint8_t* slice, 
 
 // ------------------------------------------------------------------ natural unions (helpers)
 
-// One job: the rows [begin, end) into the natural groups' unions. Helper thread h owns the words
-// h + kHelperThreads * k and keeps `natural`, its sum of the closed groups' key blocks; a word's
-// union stays in a register across the rows, so their loads are independent.
-__device__ __forceinline__ void do_job(const Layout& l, const Shared& s, int h, unsigned long long& natural) {
+// One job: the rows [begin, end) of the segment's `rows` into the natural groups' unions. Helper
+// thread h owns the words h + kHelperThreads * k and keeps `natural`, its sum of the closed groups'
+// key blocks; a word's union stays in a register across the rows, so their loads are independent.
+__device__ __forceinline__ void do_job(const Layout& l, const Shared& s, int rows, int h,
+                                       unsigned long long& natural) {
   const Control& job = *s.control;
-  const int rows = l.mask.rows;
   for (int w = h; w < l.words; w += kHelperThreads) {
     uint32_t grown = s.natural[w];
     for (int r = job.job_rows_begin, slot = r % l.ring; r < job.job_rows_end; ++r, slot = wrap(slot + 1, l.ring)) {
@@ -287,12 +324,12 @@ __device__ __forceinline__ void do_job(const Layout& l, const Shared& s, int h, 
 }
 
 // The helper warps: jobs until the last, then their natural sum into the control.
-__device__ void help(const Layout& l, const Shared& s) {
+__device__ void help(const Layout& l, const Shared& s, int rows) {
   const int h = int(threadIdx.x) - 32;
   unsigned long long natural = 0;
   for (bool last = false; !last;) {
     job_barrier(kWakeBarrier);
-    do_job(l, s, h, natural);
+    do_job(l, s, rows, h, natural);
     last = s.control->job_last != 0;
     job_barrier(kDoneBarrier);
   }
@@ -302,17 +339,18 @@ __device__ void help(const Layout& l, const Shared& s) {
 
 // ------------------------------------------------------------------ the greedy (picker warp)
 
-// The first row from `from` on that is not taken (one exists).
-__device__ __forceinline__ int first_free(const Layout& l, const Shared& s, int from, int lane) {
+// The first of the `rows` rows from `from` on that is not taken (one exists).
+__device__ __forceinline__ int first_free(const Layout& l, const Shared& s, int from, int rows, int lane) {
   for (int base = from;; base += 32) {
     const int r = base + lane;
-    const uint32_t free_rows = __ballot_sync(kFullWarp, r < l.mask.rows && s.taken[r % l.ring] != r);
+    const uint32_t free_rows = __ballot_sync(kFullWarp, r < rows && s.taken[r % l.ring] != r);
     if (free_rows != 0) return base + __ffs(free_rows) - 1;
   }
 }
 
 // Rows the picker has seen published: below `ready` every row is in the ring and fenced.
 struct Readiness {
+  int rows;           // the segment's
   int ready = 0;
   int published = 0;  // the seed the producers last saw
 
@@ -321,7 +359,7 @@ struct Readiness {
   // past published + R are not yet producible; their slots hold older rows.
   __device__ __forceinline__ void reach(const Layout& l, const Shared& s, int needed, int lane) {
     if (needed <= ready) return;
-    const int producible = int(min(int64_t(l.mask.rows), int64_t(published) + l.ring));
+    const int producible = int(min(int64_t(rows), int64_t(published) + l.ring));
     while (ready < producible) {
       const int r = ready + lane;
       const uint32_t in_ring = __ballot_sync(kFullWarp, r >= producible || load_relaxed(s.tag[r % l.ring]) == r);
@@ -341,11 +379,13 @@ struct Readiness {
   }
 };
 
-// Takes row `r` (in ring slot `slot`) for position `position` of the head's order.
-__device__ __forceinline__ void take(const Shared& s, int32_t* order, int r, int slot, int position, int lane) {
+// Takes row `r` (in ring slot `slot`) for position `position` of the segment's `order`: the head's
+// row begin + r.
+__device__ __forceinline__ void take(const Shared& s, int32_t* order, int begin, int r, int slot, int position,
+                                     int lane) {
   if (lane == 0) {
     s.taken[slot] = r;
-    order[position] = r;
+    order[position] = begin + r;
   }
   __syncwarp();
 }
@@ -437,13 +477,13 @@ struct Jobs {
   }
 };
 
-// The greedy order of the head into `order` and its key blocks into the control, by warp 0.
-// kPerLane candidates per lane: j = lane + 32m, m < kPerLane.
+// The greedy order of the segment into `order` (its positions of the head's q_units) and its key
+// blocks into the control, by warp 0. kPerLane candidates per lane: j = lane + 32m, m < kPerLane.
 template <int kPerLane>
-__device__ void pick(const Layout& l, const Shared& s, int32_t* order) {
+__device__ void pick(const Layout& l, const Shared& s, const Segment& seg, int32_t* order) {
   const int lane = threadIdx.x & 31;
-  const int rows = l.mask.rows;
-  Readiness rows_in_ring;
+  const int rows = seg.rows;
+  Readiness rows_in_ring{rows};
   Jobs jobs;
   int natural_rows = 0;  // rows below it are handed to the natural unions
   unsigned long long greedy = 0;
@@ -452,12 +492,12 @@ __device__ void pick(const Layout& l, const Shared& s, int32_t* order) {
   int seed = 0;
   for (int written = 0; written < rows; written += l.group) {
     const int n = min(l.group, rows - written);
-    seed = first_free(l, s, seed, lane);
+    seed = first_free(l, s, seed, rows, lane);
     jobs.wait();  // then the rows below the seed are read: the producers may overwrite them
     rows_in_ring.publish(s, seed, l.publish_step, lane);
     rows_in_ring.reach(l, s, min(rows, seed + 1 + (n > 1 ? l.window : 0)), lane);
     const int seed_slot = seed % l.ring;
-    take(s, order, seed, seed_slot, written, lane);
+    take(s, order, seg.begin, seed, seed_slot, written, lane);
     jobs.post(s, natural_rows, rows_in_ring.ready, false, lane);
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) {
@@ -484,11 +524,11 @@ __device__ void pick(const Layout& l, const Shared& s, int32_t* order) {
         for (int m = 0; m < kPerLane; ++m)
           if (lane + 32 * m == j) count[m] = kNoCount;
       } else {  // the whole window is taken
-        next = first_free(l, s, seed + 1, lane);
+        next = first_free(l, s, seed + 1, rows, lane);
         rows_in_ring.reach(l, s, next + 1, lane);
         slot = next % l.ring;
       }
-      take(s, order, next, slot, written + k, lane);
+      take(s, order, seg.begin, next, slot, written + k, lane);
       greedy += add_row(l, s, slot, false, &listed, lane);
     }
   }
@@ -505,12 +545,15 @@ __device__ void pick(const Layout& l, const Shared& s, int32_t* order) {
   if (lane == 0) s.control->greedy = greedy;
 }
 
+// ------------------------------------------------------------------ the kernels
+
+// One CTA per segment: its greedy order into its positions of the head's q_units, its key blocks
+// into segment_key_blocks.
 template <int kPerLane>
-__global__ void __launch_bounds__(kThreads, 1) group_query_blocks_kernel(const __grid_constant__ Layout l) {
+__global__ void __launch_bounds__(kThreads, 1) group_segment_kernel(const __grid_constant__ Layout l) {
   extern __shared__ __align__(16) uint32_t shared_words[];
   const Shared s = shared_arrays(l, shared_words);
-  const int64_t head = blockIdx.x;
-  const int rows = l.mask.rows;
+  const Segment seg = segment_of_block(l);
   for (int i = threadIdx.x; i < l.ring; i += kThreads) s.tag[i] = s.taken[i] = -1;
   for (int w = threadIdx.x; w < l.words; w += kThreads) s.natural[w] = 0;
   if (threadIdx.x == 0) {
@@ -519,24 +562,58 @@ __global__ void __launch_bounds__(kThreads, 1) group_query_blocks_kernel(const _
   }
   __syncthreads();
 
-  const int64_t mb = head / l.mask.heads, mh = head % l.mask.heads;
-  int32_t* order = l.q_units + head * l.num_slots;
+  const int64_t mb = seg.head / l.mask.heads, mh = seg.head % l.mask.heads;
   const int warp = threadIdx.x >> 5;
-  if (warp == 0)
-    pick<kPerLane>(l, s, order);
-  else if (warp <= kHelperWarps)
-    help(l, s);
-  else
-    produce(l, s, l.mask.blocks + mb * l.mask.stride[0] + mh * l.mask.stride[1], warp - 1 - kHelperWarps);
+  if (warp == 0) {
+    pick<kPerLane>(l, s, seg, l.q_units + seg.head * l.num_slots + seg.begin);
+  } else if (warp <= kHelperWarps) {
+    help(l, s, seg.rows);
+  } else {
+    const uint8_t* first = l.mask.blocks + mb * l.mask.stride[0] + mh * l.mask.stride[1] +
+                           int64_t(seg.begin) * l.mask.stride[2];
+    produce(l, s, first, seg.rows, warp - 1 - kHelperWarps);
+  }
   __syncthreads();
 
-  const unsigned long long natural = s.control->natural, greedy = s.control->greedy;
+  if (threadIdx.x == 0) {
+    int64_t* counts = l.segment_key_blocks + 2 * (seg.head * l.segments + seg.index);
+    counts[0] = int64_t(s.control->natural);
+    counts[1] = int64_t(s.control->greedy);
+  }
+}
+
+// One CTA per head, after group_segment_kernel: the head's key blocks summed over its segments, the
+// natural order where natural <= greedy, and the -1 padding.
+__global__ void __launch_bounds__(kChooseThreads) choose_order_kernel(const __grid_constant__ Layout l) {
+  __shared__ unsigned long long sums[2];  // natural, greedy
+  const int64_t head = blockIdx.x;
+  const int64_t* counts = l.segment_key_blocks + 2 * head * l.segments;
+  if (threadIdx.x == 0) sums[0] = sums[1] = 0;
+  __syncthreads();
+  unsigned long long natural = 0, greedy = 0;
+  for (int i = threadIdx.x; i < l.segments; i += kChooseThreads) {
+    natural += uint64_t(counts[2 * i]);
+    greedy += uint64_t(counts[2 * i + 1]);
+  }
+  for (int d = 16; d > 0; d >>= 1) {
+    natural += __shfl_xor_sync(kFullWarp, natural, d);
+    greedy += __shfl_xor_sync(kFullWarp, greedy, d);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicAdd(&sums[0], natural);
+    atomicAdd(&sums[1], greedy);
+  }
+  __syncthreads();
+  natural = sums[0];
+  greedy = sums[1];
   if (threadIdx.x == 0 && l.key_blocks != nullptr) {
     l.key_blocks[2 * head] = int64_t(natural);
     l.key_blocks[2 * head + 1] = int64_t(greedy);
   }
-  const bool keep_natural = natural <= greedy;  // the picker's writes came before the barrier
-  for (int i = threadIdx.x; i < l.num_slots; i += kThreads) {
+  const int rows = l.mask.rows;
+  const bool keep_natural = natural <= greedy;
+  int32_t* order = l.q_units + head * l.num_slots;
+  for (int i = threadIdx.x; i < l.num_slots; i += kChooseThreads) {
     if (i >= rows)
       order[i] = -1;
     else if (keep_natural)
@@ -553,12 +630,16 @@ inline int64_t shared_bytes(const Layout& l) {
 // Checks `p` (cudaErrorInvalidValue) and lays the launch out for a device with `max_shared` bytes of
 // shared memory per CTA (cudaErrorInvalidConfiguration where the ring or the window does not fit).
 inline cudaError_t make_layout(const TesseraGroupParams& p, int max_shared, Layout* l) {
-  if (!prep::valid_mask(p.mask) || p.q_units == nullptr || p.group < 1 || p.window < 1)
+  if (!prep::valid_mask(p.mask) || p.q_units == nullptr || p.segment_key_blocks == nullptr || p.group < 1 ||
+      p.window < 1 || p.segment < 0 || p.segment % p.group != 0)
     return cudaErrorInvalidValue;
-  const int rows = p.mask.rows;
-  if (int64_t(p.num_slots) != int64_t(prep::ceil_div(rows, p.group)) * p.group) return cudaErrorInvalidValue;
+  if (int64_t(p.num_slots) != int64_t(prep::ceil_div(p.mask.rows, p.group)) * p.group) return cudaErrorInvalidValue;
+  // From here on `rows` are a segment's: the ring and the window are per CTA.
+  const int rows = p.segment == 0 || p.segment >= p.mask.rows ? p.mask.rows : p.segment;
   l->mask = p.mask;
   l->group = p.group;
+  l->segment = rows;
+  l->segments = prep::ceil_div(p.mask.rows, rows);
   l->window = p.window < rows - 1 ? p.window : rows - 1;
   l->num_slots = p.num_slots;
   l->words = prep::ceil_div(p.mask.cols, 32);
@@ -566,7 +647,9 @@ inline cudaError_t make_layout(const TesseraGroupParams& p, int max_shared, Layo
   l->contiguous = p.mask.stride[3] == 1;
   l->q_units = p.q_units;
   l->key_blocks = p.key_blocks;
-  if (l->window > kMaxWindow || p.mask.cols > kMaxCols || int64_t(p.mask.batch) * p.mask.heads > INT32_MAX)
+  l->segment_key_blocks = p.segment_key_blocks;
+  if (l->window > kMaxWindow || p.mask.cols > kMaxCols ||
+      int64_t(p.mask.batch) * p.mask.heads * l->segments > INT32_MAX)
     return cudaErrorInvalidConfiguration;
   const int64_t needed = int64_t(l->window) + p.group + 1;  // rows a group may read, plus one
   for (const int64_t extra : {int64_t(kLookahead), int64_t(0)}) {
@@ -580,13 +663,17 @@ inline cudaError_t make_layout(const TesseraGroupParams& p, int max_shared, Layo
 }
 
 template <int kPerLane>
-int launch_kernel(const Layout& l, cudaStream_t stream) {
+int launch_kernels(const Layout& l, cudaStream_t stream) {
   const int bytes = int(shared_bytes(l));
   // The attribute is per device, so it is set on every launch (a host-side call of ~1 us).
-  const auto kernel = group_query_blocks_kernel<kPerLane>;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const auto kernel = group_segment_kernel<kPerLane>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return int(err);
-  kernel<<<unsigned(int64_t(l.mask.batch) * l.mask.heads), kThreads, bytes, stream>>>(l);
+  const int64_t heads = int64_t(l.mask.batch) * l.mask.heads;
+  kernel<<<unsigned(heads * l.segments), kThreads, bytes, stream>>>(l);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return int(err);
+  choose_order_kernel<<<unsigned(heads), kChooseThreads, 0, stream>>>(l);
   return int(cudaGetLastError());
 }
 
@@ -599,10 +686,10 @@ inline int launch_group_query_blocks(const TesseraGroupParams& p, cudaStream_t s
   err = make_layout(p, max_shared, &l);
   if (err != cudaSuccess) return int(err);
   // Candidates per lane: the fewest that hold the window (registers, fully unrolled).
-  if (l.window <= 2 * 32) return launch_kernel<2>(l, stream);
-  if (l.window <= 8 * 32) return launch_kernel<8>(l, stream);
+  if (l.window <= 2 * 32) return launch_kernels<2>(l, stream);
+  if (l.window <= 8 * 32) return launch_kernels<8>(l, stream);
   static_assert(kMaxWindow == 32 * 32, "the widest instantiation holds kMaxWindow candidates");
-  return launch_kernel<32>(l, stream);
+  return launch_kernels<32>(l, stream);
 }
 
 }  // namespace tessera::regroup
