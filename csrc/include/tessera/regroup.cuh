@@ -196,12 +196,16 @@ __device__ __forceinline__ void store_release(int32_t& x, int32_t v) {
 __device__ __forceinline__ int wrap(int slot, int ring) { return slot >= ring ? slot - ring : slot; }
 
 // The picker and the helpers meet here (ordered shared memory between them); the picker may only
-// arrive at the wake barrier (posting a job without waiting).
+// arrive at the wake barrier (posting a job without waiting). bar.sync / bar.arrive are the aligned
+// forms: every thread of a warp must execute them together, so the warp reconverges first (the
+// picker comes from lane-0-only stores; compute-sanitizer synccheck reported the divergent arrival).
 __device__ __forceinline__ void job_barrier(int id) {
+  __syncwarp();
   asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kJobThreads) : "memory");
 }
 
 __device__ __forceinline__ void job_arrive(int id) {
+  __syncwarp();
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kJobThreads) : "memory");
 }
 
