@@ -176,6 +176,10 @@ __device__ __forceinline__ Shared shared_arrays(const Layout& l, uint32_t* base)
 
 // The hand-offs between the picker and the producers: polls are plain shared loads (cheap while
 // spinning), followed by one acquire fence once the value is seen; publications are release stores.
+// compute-sanitizer racecheck, which models barriers but not this release / acquire pattern, reports
+// hazards on exactly these hand-offs (a ring row, its count and its tag written by a producer and
+// read by the picker after it saw the tag; a slot rewritten after the picker published a seed past
+// it); the orders stay bit for bit those of the torch code under it (benchmarks/results/h200_reused_table).
 __device__ __forceinline__ int load_relaxed(const int32_t& x) {
   int v;
   asm volatile("ld.relaxed.cta.shared.b32 %0, [%1];"
@@ -196,17 +200,16 @@ __device__ __forceinline__ void store_release(int32_t& x, int32_t v) {
 __device__ __forceinline__ int wrap(int slot, int ring) { return slot >= ring ? slot - ring : slot; }
 
 // The picker and the helpers meet here (ordered shared memory between them); the picker may only
-// arrive at the wake barrier (posting a job without waiting). bar.sync / bar.arrive are the aligned
-// forms: every thread of a warp must execute them together, so the warp reconverges first (the
-// picker comes from lane-0-only stores; compute-sanitizer synccheck reported the divergent arrival).
+// arrive at the wake barrier (posting a job without waiting). The non-aligned barrier.sync /
+// barrier.arrive: with the aligned bar.sync / bar.arrive (every thread of a warp at the same
+// instruction) compute-sanitizer synccheck reported divergent arrivals of the picker warp on the
+// H200, even after a __syncwarp; with these it reports none, and the orders are the same.
 __device__ __forceinline__ void job_barrier(int id) {
-  __syncwarp();
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kJobThreads) : "memory");
+  asm volatile("barrier.sync %0, %1;" ::"r"(id), "n"(kJobThreads) : "memory");
 }
 
 __device__ __forceinline__ void job_arrive(int id) {
-  __syncwarp();
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kJobThreads) : "memory");
+  asm volatile("barrier.arrive %0, %1;" ::"r"(id), "n"(kJobThreads) : "memory");
 }
 
 // ------------------------------------------------------------------ packing rows (producers)
