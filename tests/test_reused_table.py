@@ -161,3 +161,36 @@ def test_profiler_cases_of_reused_masks(tmp_path):
     table, _ = compile_table(profile, CompileOptions(min_leaf=1))
     assert list(table.keys) == list(keys)
 
+
+
+@pytest.mark.gpu
+def test_processors_take_the_shipped_reused_plan_on_hopper():
+    """The diffusers processors' step cache on the native kernels with the shipped table: a Q16K16
+    mask's first call runs a natural plan, the calls after it the table's ``/reused`` plan (grouped),
+    re-prepared once; every output equal to the oracle (the output of the grouped plan included)."""
+    from tessera_diffusers.processors.backends import TesseraBackend
+    from tessera_diffusers.processors.plan_cache import StepCache
+
+    from tessera_diffusers import ops
+    from tessera_diffusers.testing import random_mask
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    try:
+        ops.load_library()
+    except Exception as err:  # noqa: BLE001 - any load failure skips
+        pytest.skip(f"native library not loadable: {err}")
+    device = torch.device("cuda")
+    mask = random_mask(1, 4, 4096, 4096, 16, 16, density=0.1, seed=5, device=device)
+    q, k, v = random_qkv(1, 4096, 4096, 4, 128, torch.bfloat16, device, seed=5)
+    backend, cache = TesseraBackend(Runtime()), StepCache()
+    slot = cache.store_mask("layer", mask, 0, "signature")
+    plans = []
+    for _ in range(3):
+        out = backend.attention(q, k, v, mask, slot=slot, cache=cache)
+        (kept,) = slot.plans.values()
+        plans.append(kept.plan)
+        assert check_against_reference(out, None, q, k, v, mask).ok()
+    assert plans[0].q_layout is QLayout.NATURAL
+    assert plans[1] == plans[2] and plans[1].q_layout is QLayout.GROUPED
+    assert backend.runtime.regroupings == 1 and cache.stats.plan_builds == 1
