@@ -83,7 +83,7 @@ class Runtime:
     mask goes through ``selector`` (plan table regime lookup, or the cost model), whose own cache
     skips the ranking scan for a regime it has seen. A mask that comes back is re-prepared once in
     the plan ``Selector.reused_plan`` names (the grouped query layout of small query blocks on
-    Hopper: its grouping, 1-2.5 ms once per mask at 32k tokens, is paid back by the calls after)."""
+    Hopper: its grouping, 0.2-0.3 ms once per mask at 32k tokens, is paid back by the calls after)."""
 
     max_entries: int = 256
     _cache: dict = field(default_factory=dict, repr=False)

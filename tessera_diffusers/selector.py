@@ -25,7 +25,7 @@ Order of decision:
 The chosen plan runs a mask's first request in the natural query layout. For a mask that comes back
 (``Runtime``), ``Selector.reused_plan`` names the plan to re-prepare it with once, possibly in the
 grouped query layout (each head's query blocks regrouped by key set, ``regroup.py``: a preparation
-about 1-2.5 ms longer at 32k tokens, paid back by the requests after it): the table's plan for the
+about 0.3-0.8 ms longer at 32k tokens, paid back by the requests after it): the table's plan for the
 request's ``/reused`` key where it was profiled (``tessera profile --reused-masks``: natural and
 grouped plans timed side by side), else the rule of ``reused_mask_plan`` (the same plan grouped, on
 Hopper, for query blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows). ``$TESSERA_GROUP_QUERIES`` = ``0``
@@ -514,8 +514,10 @@ def estimate_with(estimator: PlanEstimator, state: MaskState) -> list[float]:
 # the chosen plan is a Hopper one whose query tile covers several of them. Measured on an H200
 # (benchmarks/results/h200_grouped_layout, the table's plan on five evaluation sources per family at
 # N = 32,768): kernel time grouped / natural, geometric mean 0.846 on Q16K16, 0.863 on Q32K16,
-# 0.957 on Q32K32 (0.70-1.01 per case); the grouping costs 0.8-2.0 ms once per mask. The earlier
-# study of 64-row blocks (h200_query_regrouping) gained 0.89-1.00 on one source of five.
+# 0.957 on Q32K32 (0.70-1.01 per case); the grouping cost 0.8-2.0 ms once per mask then (0.17-0.31
+# ms in 128-block segments, h200_reused_table). The earlier study of 64-row blocks
+# (h200_query_regrouping) gained 0.89-1.00 on one source of five. The rule serves tables without a
+# ``/reused`` key (Selector.reused_plan).
 GROUPED_MAX_BLOCK_Q = 32
 GROUP_QUERIES_ENV = "TESSERA_GROUP_QUERIES"  # "0": never, "1": every plan that can, unset: the rule
 
