@@ -30,12 +30,15 @@ def add_explain(sub: argparse._SubParsersAction) -> None:
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import torch
 
+    from .catalog import all_kernels
     from .mask_state import build_mask_state
     from .plan_table import load_plan_table
     from .plans import Request
-    from .selector import AUTO, rank
+    from .selector import AUTO, Selector
     from .testing import banded_mask, random_mask
 
     bq, bkv = (int(x) for x in args.geometry.upper().lstrip("Q").split("K"))
@@ -49,7 +52,14 @@ def run_explain(args: argparse.Namespace) -> int:
         mask = random_mask(1, heads, args.seq, args.seq, bq, bkv, density=args.density, empty_rows=False)
     request = Request(1, args.heads, args.seq, args.seq, args.head_dim, args.dtype, bq, bkv, arch)
     table = None if args.no_table else (load_plan_table(args.table) if args.table else AUTO)
-    print(rank(request, build_mask_state(mask), assume_native=True, table=table).explain())
+    selector, state = Selector(table=table, kernels=all_kernels()), build_mask_state(mask)
+    selection = selector.rank(request, state)
+    print(selection.explain())
+    if selection.chosen is not None:  # what the runtime re-prepares the mask with when it comes back
+        reused = selector.reused_plan(selection.chosen, request, state)
+        key, ctx = dataclasses.replace(request, reused_mask=True).key, selector.context(arch)
+        source = f"the table's {key} key" if ctx.table is not None and key in ctx.table.keys else "the rule"
+        print(f"a mask that comes back: {reused.name} ({source})")
     return 0
 
 
