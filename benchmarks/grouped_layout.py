@@ -15,6 +15,7 @@ Writes ``grouped_layout.md`` / ``.json`` after every case.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -43,7 +44,7 @@ def one_case(spec, args: argparse.Namespace, device: torch.device) -> dict:
     from tessera_diffusers.bench.tessera_backends import candidate_plans, request_of
     from tessera_diffusers.bench.timing import time_interleaved
     from tessera_diffusers.runtime import execute
-    from tessera_diffusers.selector import Selector, reused_mask_plan
+    from tessera_diffusers.selector import Selector
 
     mask = spec.build().to(device)
     problem = Problem(spec.name, args.grid, spec.family, spec.source, mask, 1, mask.heads, 128, torch.bfloat16, spec)
@@ -51,10 +52,13 @@ def one_case(spec, args: argparse.Namespace, device: torch.device) -> dict:
     natural = [p for p in candidate_plans(problem, allow_executor=False)[0]
                if p.q_layout is QLayout.NATURAL and p.can_group_queries and re.search(args.plan_filter, p.name)]
     request = request_of(problem)
-    base = Selector().select(request, state)  # the plan table's choice (natural layout)
-    rule = None if base is None else reused_mask_plan(base, request).q_layout.value  # for a mask that comes back
-    if base is not None and base.can_group_queries and base not in natural:
-        natural.append(base)
+    selector = Selector()
+    base = selector.select(request, state)  # the plan table's choice for a mask's first request
+    reused = None if base is None else selector.reused_plan(base, request, state)  # for a mask that comes back
+    twin = None if reused is None else dataclasses.replace(reused, q_layout=QLayout.NATURAL)
+    for plan in (base, twin):
+        if plan is not None and plan.can_group_queries and plan not in natural:
+            natural.append(plan)
     inputs = make_inputs(problem, 3, seed=1)
     check = OracleCheck(problem, inputs[0], [0, mask.heads - 1])
     entries, failures = [], []
@@ -82,7 +86,8 @@ def one_case(spec, args: argparse.Namespace, device: torch.device) -> dict:
         chosen = grouping.key_blocks[..., 1] < grouping.key_blocks[..., 0]
         greedy_sum = int(torch.where(chosen, grouping.key_blocks[..., 1], grouping.key_blocks[..., 0]).sum())
         out["selected"] = {
-            "plan": base.name, "layout_by_rule": rule, **plans[base.name],
+            "plan": base.name, **plans[base.name], "reused_plan": reused.name,
+            "reused_ms": plans.get(twin.name, {}).get(reused.q_layout.value),
             "grouping_ms": cuda_ms(lambda: query_grouping(mask.blocks, group), args.prep_reps, device),
             "prepare_natural_ms": cuda_ms(lambda: prepare(base, state), args.prep_reps, device),
             "prepare_grouped_ms": cuda_ms(lambda: prepare(base.grouped(), state), args.prep_reps, device),
@@ -99,8 +104,9 @@ def write_report(args: argparse.Namespace, results: dict) -> str:
               f"{args.reps} interleaved CUDA-event timings over 3 input sets, every output checked against the fp32 "
               "oracle first)"), "",
              ("| case | best natural ms | best grouped ms | ratio | selected plan | natural ms | grouped ms | ratio "
-              "| key blocks grouped / natural | heads regrouped | grouping ms | prepare natural / grouped ms |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| key blocks grouped / natural | heads regrouped | grouping ms | prepare natural / grouped ms "
+              "| plan of a reused mask (Selector.reused_plan) | its ms / selected natural |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["cases"]:
         b = r["best"]
         row = (f"| {r['case']} | {b['natural'][0]:.3f} | {b['grouped'][0]:.3f} | {b['grouped'][0] / b['natural'][0]:.3f} |")
@@ -108,9 +114,11 @@ def write_report(args: argparse.Namespace, results: dict) -> str:
         if s is not None and "grouped" in s and "natural" in s:
             row += (f" {s['plan']} | {s['natural']:.3f} | {s['grouped']:.3f} | {s['grouped'] / s['natural']:.3f} | "
                     f"{s['key_blocks_grouped'] / max(1, s['key_blocks_natural']):.3f} | {s['heads_regrouped']} | "
-                    f"{s['grouping_ms']:.3f} | {s['prepare_natural_ms']:.3f} / {s['prepare_grouped_ms']:.3f} |")
+                    f"{s['grouping_ms']:.3f} | {s['prepare_natural_ms']:.3f} / {s['prepare_grouped_ms']:.3f} | "
+                    f"{s['reused_plan']} | "
+                    + ("- |" if s.get("reused_ms") is None else f"{s['reused_ms'] / s['natural']:.3f} |"))
         else:
-            row += " - | - | - | - | - | - | - | - |"
+            row += " - | - | - | - | - | - | - | - | - | - |"
         lines.append(row)
     lines += ["", "Per plan (ms, natural / grouped):", "", "| case | plan | natural | grouped | ratio |", "|---|---|---|---|---|"]
     for r in results["cases"]:
