@@ -19,6 +19,7 @@ import dataclasses
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -132,17 +133,20 @@ def write_report(args: argparse.Namespace, results: dict) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--out``, ``--families``, ``--cases``, ``--grid``, ``--warmup`` and ``--reps``: what the studies
+    over evaluation cases of the small-block families share (this one, ``grouping_window.py``)."""
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--families", default="Q16K16,Q32K16,Q32K32")
     parser.add_argument("--cases", type=int, default=5, help="evaluation cases per family (one per source)")
     parser.add_argument("--grid", default="bench32k", help="corpus latent grid (bench32k: N = 32,768; wan720p: 75,600)")
-    parser.add_argument("--plan-filter", default=r"hopper_s2w[48]_lpt-persistent$")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--prep-reps", type=int, default=5)
-    args = parser.parse_args(argv)
+
+
+def run_study(args: argparse.Namespace, measure: Callable[..., dict], report: Callable[[dict], str]) -> int:
+    """``measure(spec, device)`` on the first ``args.cases`` evaluation cases of each family, the
+    report written after every case (a time limit keeps what ran) and printed at the end."""
     device = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "grid": args.grid, "cases": []}
@@ -151,12 +155,21 @@ def main(argv: list[str] | None = None) -> int:
         cases = list(enumerate_cases("evaluation", families=[family], grids=[grid_named(args.grid)],
                                      seeds_per_combo=1))[:args.cases]
         for spec in cases:
-            results["cases"].append(one_case(spec, args, device))
-            text = write_report(args, results)  # after every case: a time limit keeps what ran
+            results["cases"].append(measure(spec, device))
+            text = report(results)
             print(text.splitlines()[5 + len(results["cases"])], flush=True)
     print(text)
     return 0
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_study_arguments(parser)
+    parser.add_argument("--plan-filter", default=r"hopper_s2w[48]_lpt-persistent$")
+    parser.add_argument("--prep-reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    return run_study(args, lambda spec, device: one_case(spec, args, device),
+                     lambda results: write_report(args, results))
 
 if __name__ == "__main__":
     sys.exit(main())

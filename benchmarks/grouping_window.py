@@ -21,23 +21,12 @@ import contextlib
 import json
 import math
 import sys
-from pathlib import Path
 
 import torch
+from grouped_layout import add_study_arguments, cuda_ms, run_study  # benchmarks/ is on the path of a script
 
 from tessera_diffusers import build_mask_state, prepare, regroup
-from tessera_diffusers.corpus import enumerate_cases
-from tessera_diffusers.corpus.grids import grid_named
 from tessera_diffusers.plans import QLayout
-
-
-def cuda_ms(fn, reps: int, device: torch.device) -> float:
-    """Median CUDA-event time of ``fn`` (after one warm-up call), including what it queues."""
-    from tessera_diffusers.bench.timing import elapsed_ms
-
-    fn()
-    times = sorted(elapsed_ms(fn, device) for _ in range(reps))
-    return times[len(times) // 2]
 
 
 @contextlib.contextmanager
@@ -144,13 +133,8 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--families", default="Q16K16,Q32K16,Q32K32")
-    parser.add_argument("--cases", type=int, default=5, help="evaluation cases per family (one per source)")
-    parser.add_argument("--grid", default="bench32k", help="corpus latent grid (bench32k: N = 32,768; wan720p: 75,600)")
+    add_study_arguments(parser)
     parser.add_argument("--settings", default="64:128,256:256", help="window:segment pairs, the first the reference")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--prep-reps", type=int, default=3)
     args = parser.parse_args(argv)
     try:
@@ -159,20 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--settings: expected window:segment pairs such as 64:128,256:256, got {args.settings!r}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device and the native kernel library")
-    device = torch.device("cuda")
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "grid": args.grid, "cases": []}
-    text = ""
-    for family in args.families.split(","):
-        cases = list(enumerate_cases("evaluation", families=[family], grids=[grid_named(args.grid)],
-                                     seeds_per_combo=1))[:args.cases]
-        for spec in cases:
-            results["cases"].append(one_case(spec, args, settings, device))
-            text = write_report(args, settings, results)  # after every case: a time limit keeps what ran
-            print(text.splitlines()[5 + len(results["cases"])], flush=True)
-    print(text)
-    return 0
-
+    return run_study(args, lambda spec, device: one_case(spec, args, settings, device),
+                     lambda results: write_report(args, settings, results))
 
 if __name__ == "__main__":
     sys.exit(main())
