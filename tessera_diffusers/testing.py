@@ -59,6 +59,18 @@ def random_mask(
     return LogicalMask(blocks.to(device), block_q, block_kv, seq_q, seq_kv)
 
 
+def interleaved_mask(batch: int, heads: int, seq_q: int, seq_kv: int, block_q: int, block_kv: int, seed: int = 0,
+                     device: torch.device | str = "cpu") -> LogicalMask:
+    """Query block i sees the key blocks of pattern i % 3 (plus a few random ones): consecutive
+    blocks share little, blocks three apart share everything, so the grouped query layout has work
+    to do. Row 1 is empty; the last blocks are partial when the lengths are not block multiples."""
+    gen = torch.Generator().manual_seed(seed)
+    n_q, n_kv = math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv)
+    patterns = torch.rand(batch, heads, 3, n_kv, generator=gen) < 0.25
+    blocks = patterns[:, :, torch.arange(n_q) % 3] | (torch.rand(batch, heads, n_q, n_kv, generator=gen) < 0.03)
+    blocks[:, :, 1] = False
+    return LogicalMask(blocks.to(device), block_q, block_kv, seq_q, seq_kv)
+
 def banded_mask(heads: int, seq: int, block_q: int, block_kv: int, density: float = 0.1,
                 device: torch.device | str = "cpu") -> LogicalMask:
     """A band of KV blocks around the diagonal covering about ``density`` of the mask, the same for

@@ -3,8 +3,6 @@ the fp32 oracle on the CPU; the native kernels on a GPU (marked ``gpu``)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -25,19 +23,7 @@ from tessera_diffusers.executor import run_prepared
 from tessera_diffusers.plans import AxisMapping, Request
 from tessera_diffusers.prepare import prepare_torch, query_rows
 from tessera_diffusers.regroup import permuted_blocks
-from tessera_diffusers.testing import check_against_reference, random_mask, random_qkv
-
-
-def interleaved_mask(batch, heads, seq_q, seq_kv, block_q, block_kv, seed=0, device="cpu") -> LogicalMask:
-    """Query block i sees the key blocks of pattern i % 3 (plus a few random ones): consecutive
-    blocks share little, blocks three apart share everything, so grouping has work to do. Row 1 is
-    empty and the last blocks are partial on both axes."""
-    gen = torch.Generator().manual_seed(seed)
-    n_q, n_kv = math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv)
-    patterns = torch.rand(batch, heads, 3, n_kv, generator=gen) < 0.25
-    blocks = patterns[:, :, torch.arange(n_q) % 3] | (torch.rand(batch, heads, n_q, n_kv, generator=gen) < 0.03)
-    blocks[:, :, 1] = False
-    return LogicalMask(blocks.to(device), block_q, block_kv, seq_q, seq_kv)
+from tessera_diffusers.testing import check_against_reference, interleaved_mask, random_mask, random_qkv
 
 
 def reference_plan(block_q, block_kv, tile_q=64, tile_kv=64, layout=KvLayout.PACKED, splits=1, head_dim=32):
@@ -244,33 +230,3 @@ def test_runtime_regroups_a_mask_that_comes_back(monkeypatch):
     for _ in range(2):
         assert runtime.prepared_for(other, request, None).plan.q_layout is QLayout.NATURAL
 
-
-def test_processors_step_cache_regroups_a_reused_mask(monkeypatch):
-    """The diffusers processors keep plans in their step cache, not the Runtime's: a reused mask's
-    plan is re-prepared there too (once), its bytes accounted, outputs equal to the oracle."""
-    from tessera_diffusers.processors.backends import TesseraBackend
-    from tessera_diffusers.processors.plan_cache import StepCache, tensor_nbytes
-
-    from tessera_diffusers import Runtime
-    from tessera_diffusers.selector import GROUP_QUERIES_ENV
-
-    monkeypatch.setenv(GROUP_QUERIES_ENV, "1")
-    q, k, v = random_qkv(1, 400, 400, 2, 32, torch.float32, "cpu", seed=10)
-    mask = interleaved_mask(1, 2, 400, 400, 16, 16, seed=10)
-    plan = PhysicalPlan(16, 16, KvLayout.PACKED, TaskOrganization(), reference_kernel(32, "fp32", 64, 64))
-
-    class ForcedRuntime(Runtime):
-        def plan_request(self, state, request, forced):
-            return prepare(forced or plan, state)
-
-    backend, cache = TesseraBackend(ForcedRuntime()), StepCache()
-    slot = cache.store_mask("layer", mask, 0, "signature")
-    layouts = []
-    for _ in range(3):
-        out = backend.attention(q, k, v, mask, slot=slot, cache=cache)
-        (kept,) = slot.plans.values()
-        layouts.append(kept.plan.q_layout)
-        assert slot.plan_bytes == tensor_nbytes(kept)
-        assert check_against_reference(out, None, q, k, v, mask).ok()
-    assert layouts == [QLayout.NATURAL, QLayout.GROUPED, QLayout.GROUPED]
-    assert backend.runtime.regroupings == 1 and cache.stats.plan_builds == 1

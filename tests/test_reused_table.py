@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tessera_diffusers import KvLayout, PhysicalPlan, QLayout, Runtime, TaskOrganization, build_mask_state
+from tessera_diffusers import KvLayout, PhysicalPlan, QLayout, Runtime, TaskOrganization, build_mask_state, prepare
 from tessera_diffusers.catalog import hopper_kernels, plans_for, reference_kernel
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.plan_table import plan_from_dict, plan_to_dict, tile_group
@@ -18,7 +18,7 @@ from tessera_diffusers.plans import Request, with_grouped_layouts
 from tessera_diffusers.profile.compile import CompileOptions, compile_table
 from tessera_diffusers.profile.synthetic import synthetic_profile
 from tessera_diffusers.selector import GROUP_QUERIES_ENV, Selector, reused_mask_plan
-from tessera_diffusers.testing import check_against_reference, random_qkv
+from tessera_diffusers.testing import check_against_reference, interleaved_mask, random_qkv
 
 CPU_REQUEST = Request(1, 2, 400, 400, 32, "fp32", 16, 16, "cpu")
 NATURAL = PhysicalPlan(16, 16, KvLayout.PACKED, TaskOrganization(), reference_kernel(32, "fp32", 64, 64))
@@ -70,14 +70,28 @@ def cpu_table(reused_best: PhysicalPlan | None):
     return table
 
 
-def interleaved_mask(seed: int):
-    """Query block i sees the key blocks of pattern i % 3: grouping has work to do."""
-    gen = torch.Generator().manual_seed(seed)
-    patterns = torch.rand(1, 2, 3, 25, generator=gen) < 0.3
-    blocks = patterns[:, :, torch.arange(25) % 3] | (torch.rand(1, 2, 25, 25, generator=gen) < 0.03)
-    from tessera_diffusers import LogicalMask
+def cpu_mask(seed: int):
+    """A CPU mask whose query blocks are worth grouping (``testing.interleaved_mask``)."""
+    return interleaved_mask(1, 2, 400, 400, 16, 16, seed=seed)
 
-    return LogicalMask(blocks, 16, 16, 400, 400)
+
+def step_cache_plans(backend, mask, q, k, v, calls: int = 3) -> list:
+    """The plan the processors' step cache keeps after each of ``calls`` calls of ``mask`` through
+    ``backend`` (``TesseraBackend``), each output checked against the oracle and the slot's bytes
+    against its plan's."""
+    from tessera_diffusers.processors.plan_cache import StepCache, tensor_nbytes
+
+    cache = StepCache()
+    slot = cache.store_mask("layer", mask, 0, "signature")
+    plans = []
+    for _ in range(calls):
+        out = backend.attention(q, k, v, mask, slot=slot, cache=cache)
+        (kept,) = slot.plans.values()
+        plans.append(kept.plan)
+        assert slot.plan_bytes == tensor_nbytes(kept)
+        assert check_against_reference(out, None, q, k, v, mask).ok()
+    assert cache.stats.plan_builds == 1
+    return plans
 
 
 def test_compiled_table_keeps_the_layouts_apart():
@@ -91,7 +105,7 @@ def test_compiled_table_keeps_the_layouts_apart():
 @pytest.mark.parametrize("reused_best", [GROUPED, OTHER, NATURAL])
 def test_selector_takes_the_reused_key(reused_best):
     selector = Selector(table=cpu_table(reused_best))
-    state = build_mask_state(interleaved_mask(0))
+    state = build_mask_state(cpu_mask(0))
     assert selector.select(CPU_REQUEST, state) == NATURAL  # a mask's first request: natural plans only
     chosen = selector.reused_plan(NATURAL, CPU_REQUEST, state)
     assert chosen == reused_best
@@ -101,7 +115,7 @@ def test_selector_takes_the_reused_key(reused_best):
 
 def test_selector_without_a_reused_key_keeps_the_rule(monkeypatch):
     selector = Selector(table=cpu_table(None))
-    state = build_mask_state(interleaved_mask(0))
+    state = build_mask_state(cpu_mask(0))
     assert selector.reused_plan(NATURAL, CPU_REQUEST, state) is reused_mask_plan(NATURAL, CPU_REQUEST) is NATURAL
     hopper = next(p for p in plans_for(16, 16, hopper_kernels()) if p.can_group_queries)
     sm90 = dataclasses.replace(CPU_REQUEST, arch="sm90", heads=24, seq_len_q=32768, seq_len_kv=32768, head_dim=128,
@@ -114,7 +128,7 @@ def test_selector_without_a_reused_key_keeps_the_rule(monkeypatch):
 
 def test_reused_choice_is_eligible_for_the_request():
     selector = Selector(table=cpu_table(GROUPED))
-    state = build_mask_state(interleaved_mask(0))
+    state = build_mask_state(cpu_mask(0))
     chosen = selector.reused_plan(NATURAL, CPU_REQUEST, state)
     assert rejection(chosen, CPU_REQUEST) is None
 
@@ -122,7 +136,7 @@ def test_reused_choice_is_eligible_for_the_request():
 @pytest.mark.parametrize("reused_best", [GROUPED, OTHER])
 def test_runtime_reprepares_a_reused_mask_once_in_the_table_plan(reused_best):
     runtime = Runtime(selector=Selector(table=cpu_table(reused_best)))
-    mask = interleaved_mask(3)
+    mask = cpu_mask(3)
     q, k, v = random_qkv(1, 400, 400, 2, 32, torch.float32, "cpu", seed=3)
     plans = []
     for _ in range(4):
@@ -135,7 +149,7 @@ def test_runtime_reprepares_a_reused_mask_once_in_the_table_plan(reused_best):
 
 def test_runtime_keeps_the_plan_when_the_table_says_so():
     runtime = Runtime(selector=Selector(table=cpu_table(NATURAL)))
-    mask = interleaved_mask(4)
+    mask = cpu_mask(4)
     q, k, v = random_qkv(1, 400, 400, 2, 32, torch.float32, "cpu", seed=4)
     first = runtime.prepared_for(mask, CPU_REQUEST, None)
     assert runtime.prepared_for(mask, CPU_REQUEST, None) is first and runtime.regroupings == 0
@@ -162,14 +176,12 @@ def test_profiler_cases_of_reused_masks(tmp_path):
     assert list(table.keys) == list(keys)
 
 
-
 @pytest.mark.gpu
 def test_processors_take_the_shipped_reused_plan_on_hopper():
     """The diffusers processors' step cache on the native kernels with the shipped table: a Q16K16
     mask's first call runs a natural plan, the calls after it the table's ``/reused`` plan (grouped),
     re-prepared once; every output equal to the oracle (the output of the grouped plan included)."""
     from tessera_diffusers.processors.backends import TesseraBackend
-    from tessera_diffusers.processors.plan_cache import StepCache
 
     from tessera_diffusers import ops
     from tessera_diffusers.testing import random_mask
@@ -183,17 +195,11 @@ def test_processors_take_the_shipped_reused_plan_on_hopper():
     device = torch.device("cuda")
     mask = random_mask(1, 4, 4096, 4096, 16, 16, density=0.1, seed=5, device=device)
     q, k, v = random_qkv(1, 4096, 4096, 4, 128, torch.bfloat16, device, seed=5)
-    backend, cache = TesseraBackend(Runtime()), StepCache()
-    slot = cache.store_mask("layer", mask, 0, "signature")
-    plans = []
-    for _ in range(3):
-        out = backend.attention(q, k, v, mask, slot=slot, cache=cache)
-        (kept,) = slot.plans.values()
-        plans.append(kept.plan)
-        assert check_against_reference(out, None, q, k, v, mask).ok()
+    backend = TesseraBackend(Runtime())
+    plans = step_cache_plans(backend, mask, q, k, v)
     assert plans[0].q_layout is QLayout.NATURAL
     assert plans[1] == plans[2] and plans[1].q_layout is QLayout.GROUPED
-    assert backend.runtime.regroupings == 1 and cache.stats.plan_builds == 1
+    assert backend.runtime.regroupings == 1
 
 
 def test_explain_cli_names_the_plan_of_a_mask_that_comes_back(capsys):
@@ -206,3 +212,21 @@ def test_explain_cli_names_the_plan_of_a_mask_that_comes_back(capsys):
     assert last.startswith("a mask that comes back: grouped-") and "Q16K16/d128/bf16/bshd/reused key" in last
     assert cli.main(["explain", "--geometry", "Q64K64", "--seq", "4096", "--heads", "2"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("(the rule)")
+
+
+def test_processors_step_cache_regroups_a_reused_mask(monkeypatch):
+    """The diffusers processors keep plans in their step cache, not the Runtime's: a reused mask's
+    plan is re-prepared there too (once), its bytes accounted, outputs equal to the oracle."""
+    from tessera_diffusers.processors.backends import TesseraBackend
+
+    monkeypatch.setenv(GROUP_QUERIES_ENV, "1")
+    q, k, v = random_qkv(1, 400, 400, 2, 32, torch.float32, "cpu", seed=10)
+
+    class ForcedRuntime(Runtime):
+        def plan_request(self, state, request, forced):
+            return prepare(forced or NATURAL, state)
+
+    backend = TesseraBackend(ForcedRuntime())
+    plans = step_cache_plans(backend, cpu_mask(10), q, k, v)
+    assert [p.q_layout for p in plans] == [QLayout.NATURAL, QLayout.GROUPED, QLayout.GROUPED]
+    assert backend.runtime.regroupings == 1
