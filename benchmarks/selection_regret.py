@@ -30,6 +30,7 @@ Rebuilding the corpus masks is most of the time (about 5 s per 32k-token case on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import random
@@ -42,8 +43,9 @@ import torch
 from tessera_diffusers import LogicalMask, build_mask_state
 from tessera_diffusers.corpus import CaseSpec
 from tessera_diffusers.corpus.grids import grid_named
+from tessera_diffusers.mask_state import MaskState
 from tessera_diffusers.plan_table import load_plan_table
-from tessera_diffusers.plans import DTYPE_NAMES, Request
+from tessera_diffusers.plans import DTYPE_NAMES, PhysicalPlan, Request
 from tessera_diffusers.profile.records import read_records, request_from_dict, timing_method
 from tessera_diffusers.selector import AUTO, Selector
 
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         best_plan, best_ms = min(case["plans"].items(), key=lambda kv: kv[1])
         row = {"case": name, "best": best_plan, "best_ms": best_ms}
         for sel_name, selector in selectors.items():
-            chosen = selector.select(request, state)
+            chosen = deployed_choice(selector, request, state)
             ms = case["plans"].get(chosen.name) if chosen is not None else None
             row[sel_name] = (chosen.name if chosen is not None else None, ms,
                              chosen is not None and chosen.name in case["abandoned"])
@@ -322,6 +324,18 @@ def plot_regret(path: Path, rows: list[dict], regrets: dict[str, list[float]], t
     plt.close(fig)
 
 
+def deployed_choice(selector: Selector, request: Request, state: MaskState) -> PhysicalPlan | None:
+    """The plan the runtime runs for ``request``: its selection; for a mask that comes back
+    (``request.reused_mask``, a ``--reused-masks`` profile) the plan the runtime re-prepares it in
+    after that first selection (``Selector.reused_plan``: the table's ``/reused`` key where it has
+    one, else the rule), so a table without the key is judged by what it would really do."""
+    if not request.reused_mask:
+        return selector.select(request, state)
+    natural = dataclasses.replace(request, reused_mask=False)
+    first = selector.select(natural, state)
+    return None if first is None else selector.reused_plan(first, natural, state)
+
+
 def regret_split(plans: dict[str, float], chosen: str, best_ms: float) -> tuple[float, float]:
     """The chosen plan's regret as (task organization, tile): its time over the fastest timed plan
     of its own tile group (``plan_table.tile_group``: the same name but for the pipeline depth and the
@@ -375,8 +389,9 @@ def family_lines(rows: list[dict], selectors: list[str]) -> list[str]:
 
 
 def family_of(case: str) -> str:
-    """The geometry family of a case name (``n32k:Q64K64-HD/source/...`` or ``Q64K64/source/...``)."""
-    return case.split(":")[-4 if case.count(":") >= 4 else 0].split("/")[0]
+    """The geometry family of a case name (``n32k:Q64K64-HD/source/...:bf16:d128:b1[:reused]`` or
+    ``Q64K64/source/...``): the first part of its corpus case, the ``:``-field with slashes."""
+    return next((part for part in case.split(":") if "/" in part), case).split("/")[0]
 
 
 if __name__ == "__main__":

@@ -305,6 +305,7 @@ def test_selection_regret_splits_regret_into_organization_and_tile():
     assert report.regret_split(plans, "coarsened-packed_q128k128_x_s2w8_lpt", 1.6) == (1.0, 1.0)
     assert report.family_of("n32k:Q64K64-HD/text_sink/bench32k/h24/s0:bf16:d128:b1") == "Q64K64-HD"
     assert report.family_of("Q128K64/sliding_tile/bench32k/h24/s32") == "Q128K64"
+    assert report.family_of("n32k:Q16K16/text_sink/bench32k/h24/s0:bf16:d128:b1:reused") == "Q16K16"  # --reused-masks
 
 
 def test_tile_fill_counts_active_pairs_and_idle_warps():

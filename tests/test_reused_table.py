@@ -5,7 +5,9 @@ Runtime's once-per-mask re-preparation, on the CPU with executor plans."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +126,22 @@ def test_selector_without_a_reused_key_keeps_the_rule(monkeypatch):
     assert no_table.reused_plan(hopper, sm90, state) == hopper.grouped()  # the rule: Hopper, small blocks
     monkeypatch.setenv(GROUP_QUERIES_ENV, "0")  # the override beats a table too
     assert Selector(table=cpu_table(GROUPED)).reused_plan(NATURAL, CPU_REQUEST, state) is NATURAL
+
+
+def test_selection_regret_judges_what_the_runtime_runs_for_a_reused_mask():
+    """benchmarks/selection_regret.py on a ``--reused-masks`` record: the plan the runtime re-prepares
+    the mask in (``Selector.reused_plan`` after the natural selection), so a table without the
+    ``/reused`` key is judged by its rule, not by a lookup of a key it does not have."""
+    spec = importlib.util.spec_from_file_location("tessera_bench_selection_regret",
+                                                  Path(__file__).parents[1] / "benchmarks" / "selection_regret.py")
+    regret = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regret)
+    state = build_mask_state(cpu_mask(0))
+    reused = dataclasses.replace(CPU_REQUEST, reused_mask=True)
+    assert regret.deployed_choice(Selector(table=cpu_table(GROUPED)), reused, state) == GROUPED
+    assert regret.deployed_choice(Selector(table=cpu_table(OTHER)), reused, state) == OTHER
+    assert regret.deployed_choice(Selector(table=cpu_table(None)), reused, state) == NATURAL  # the rule
+    assert regret.deployed_choice(Selector(table=cpu_table(GROUPED)), CPU_REQUEST, state) == NATURAL
 
 
 def test_reused_choice_is_eligible_for_the_request():
