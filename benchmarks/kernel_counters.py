@@ -1,6 +1,7 @@
 """Launch chosen catalog plans on chosen corpus cases, for hardware counters (``ncu``) and plain
 CUDA-event timings of the same launches: where a plan's time goes (tensor pipes, L2, stalls)
-rather than how long it takes.
+rather than how long it takes. The plans are the catalog's and their grouped query layout (the plans
+of a mask that comes back; a grouped plan's preparation, the grouping included, is not timed).
 
 Each (case, plan) pair is prepared once, checked against the fp32 oracle on two heads, launched
 ``--warmup`` times, then ``--launches`` times inside an NVTX range named after the pair (what
@@ -29,6 +30,7 @@ import torch
 from tessera_diffusers import LogicalMask, build_mask_state, ops, prepare
 from tessera_diffusers.catalog import plans_for
 from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
+from tessera_diffusers.plans import with_grouped_layouts
 from tessera_diffusers.testing import check_against_reference
 
 
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         state = build_mask_state(mask)
         density = float(mask.blocks.float().mean())
         flops = 4.0 * d * density * n * n * args.heads
-        candidates = [p for p in plans_for(mask.block_q, mask.block_kv, kernels)
+        candidates = [p for p in with_grouped_layouts(plans_for(mask.block_q, mask.block_kv, kernels))
                       if p.kernel.head_dim == d and p.kernel.dtype == "bf16"]
         chosen = [p for p in candidates if any(re.search(r, p.name) for r in args.plan)]
         for plan in chosen:
