@@ -285,11 +285,16 @@ def native_plan_like(plan: PhysicalPlan) -> PhysicalPlan:
     return PhysicalPlan(plan.block_q, plan.block_kv, plan.kv_layout, plan.tasks, kernel)
 
 
-def test_auto_prepare_defers_compaction_and_settles_on_reuse():
+def test_auto_prepare_defers_compaction_and_settles_on_reuse(monkeypatch):
     """Between DEFERRED_COMPACTION_BYTES and SYNC_FREE_METADATA_BYTES of worst case, ``prepare``
     writes the worst case without a sync; the plan takes the compact metadata (bit for bit) at a
     reuse once the count is on the host, and the Runtime's output does not change."""
     from tessera_diffusers import Runtime
+    from tessera_diffusers.selector import GROUP_QUERIES_ENV
+
+    # The mask comes back in the same plan (the shipped table's /reused key would re-prepare a
+    # Q64K64 mask in its own choice: tests/test_reused_table.py covers that).
+    monkeypatch.setenv(GROUP_QUERIES_ENV, "0")
     from tessera_diffusers.prepare import DEFERRED_COMPACTION_BYTES, SYNC_FREE_METADATA_BYTES, worst_case_metadata_bytes
 
     device = torch.device("cuda")

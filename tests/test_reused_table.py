@@ -222,13 +222,16 @@ def test_processors_take_the_shipped_reused_plan_on_hopper():
 
 def test_explain_cli_names_the_plan_of_a_mask_that_comes_back(capsys):
     """``tessera explain`` ends with the plan a reused mask gets, and where it comes from: the shipped
-    table's ``/reused`` key on Q16K16 (a grouped plan), the rule on Q64K64 (no such key)."""
+    table's ``/reused`` key on Q16K16 (a grouped plan) and on Q64K64, the rule on Q128K128 (no such
+    key)."""
     from tessera_diffusers import cli
 
     assert cli.main(["explain", "--geometry", "Q16K16", "--seq", "4096", "--heads", "2"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("a mask that comes back: grouped-") and "Q16K16/d128/bf16/bshd/reused key" in last
     assert cli.main(["explain", "--geometry", "Q64K64", "--seq", "4096", "--heads", "2"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("(the table's sm90/Q64K64/d128/bf16/bshd/reused key)")
+    assert cli.main(["explain", "--geometry", "Q128K128", "--seq", "4096", "--heads", "2"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("(the rule)")
 
 
