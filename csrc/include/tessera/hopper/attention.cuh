@@ -5,12 +5,16 @@
 //   warpgroups 1..2  consumers, one per 64 query rows: wgmma Q K^T and P V, masking and the online
 //                    softmax overlapped with the previous P V (mainloop.cuh), epilogue (epilogue.cuh).
 // 64 x 64 tiles run two CTAs per SM (traits.cuh), so two independent 64-row tasks share the SM.
+// Where shared memory allows, Q has two buffers that tasks take in turn: the producer loads the
+// next task's Q early, and the epilogue stages O in the finished task's buffer and stores it with
+// TMA, so the consumers do not wait on their own global stores before the next task.
 // The persistent task schedule (longest rows first, split-K parts) is shared with the portable
 // family (tessera/tasks.cuh), as is the metadata format (tessera_diffusers/prepare.py). A persistent
 // grid launched with a task counter (p.task_counter) runs attention_kernel<T, true>: each CTA takes
-// its next task from the counter when its producer has issued the loads of the current one (the
-// producer decodes it and hands it to the consumers in shared memory), so the longest-first order
-// is load-balanced as one CTA per task is, without a CTA launch per task.
+// its next task from the counter as its producer issues the loads of the current one's last tiles
+// (with one Q buffer, once it has issued them; the producer decodes it and hands it to the
+// consumers in shared memory), so the longest-first order is load-balanced as one CTA per task is,
+// without a CTA launch per task.
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -50,21 +54,22 @@ __device__ __forceinline__ ConsumerViews<TQ, TK, TV, CS, CO> make_views(TQ q, TK
 // kDynamic: the tasks come from the producer (producer_loop_dynamic), each through a q_full phase;
 // otherwise every gridDim.x-th task, the same sequence as the producer's.
 template <class T, bool kDynamic, class SmemQ, class SmemKV, class SmemVt>
-__device__ void consumer_loop(const TesseraAttnParams& p, SmemQ& sQ, SmemKV& sK, SmemVt& sVt,
-                              PipelineBarriers<T::kStages>& bar) {
+__device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& tma, SmemQ& sQ, SmemKV& sK,
+                              SmemVt& sVt, PipelineBarriers<T::kStages, T::kQStages>& bar) {
   const int ctid = threadIdx.x - T::kProducerThreads;
   TiledMmas<T> mmas;
   auto thr_qk = mmas.qk.get_thread_slice(ctid);
   auto thr_pv = mmas.pv.get_thread_slice(ctid);
   const auto views = make_views(
-      thr_qk.partition_fragment_A(sQ),   // descriptors (MMA, MMA_M, MMA_K)
+      thr_qk.partition_fragment_A(sQ),   // descriptors (MMA, MMA_M, MMA_K, Q BUFFERS)
       thr_qk.partition_fragment_B(sK),   // descriptors (MMA, MMA_N, MMA_K, STAGES)
       thr_pv.partition_fragment_B(sVt),  // descriptors (MMA, MMA_N, MMA_K, STAGES)
       thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kTileKV>>{})),
       thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{})));
 
   PipeState<T::kStages> read_k, read_v;
-  uint32_t q_phase = 0;
+  PipeState<T::kQStages> read_q;
+  const bool tma_store = T::kTmaStore && tma.o_store != 0;
   const PingPong<T> turns{ctid / 128};
   turns.start();
   auto one_task = [&](const Task& t) {
@@ -73,19 +78,29 @@ __device__ void consumer_loop(const TesseraAttnParams& p, SmemQ& sQ, SmemKV& sK,
     clear(st.o);
     st.row_max[0] = st.row_max[1] = -CUDART_INF_F;
     st.row_sum[0] = st.row_sum[1] = 0.f;
-    if (t.tile_end > t.tile_begin)
-      consume_task<T, kDynamic>(p, t, mmas, views, st, bar, read_k, read_v, q_phase, turns);
-    else if constexpr (kDynamic)
-      Barrier::arrive(&bar.q_empty);  // a task with no tile: only its empty rows are written
-    store_output<T>(p, t, st.o, st.row_max, st.row_sum, views.coords_o, views.row_of_half);
+    const bool tiles = t.tile_end > t.tile_begin;
+    if (tiles) {
+      consume_task<T, kDynamic>(p, t, mmas, views, st, bar, read_k, read_v, read_q, turns, tma_store);
+    } else if constexpr (kDynamic) {
+      Barrier::arrive(&bar.q_empty[read_q.stage]);  // a task with no tile: only its empty rows are written
+    }
+    if (T::kTmaStore && tma_store && tiles) {
+      const int qs = read_q.stage;
+      store_output_tma<T, kDynamic>(p, tma, t, st.o, st.row_max, st.row_sum, views.row_of_half, sQ(_, _, qs), thr_pv,
+                                    raw_pointer_cast(sQ.data()) + qs * T::kTileQ * T::kHeadDim, &bar.q_empty[qs]);
+    } else {
+      store_output<T>(p, t, st.o, st.row_max, st.row_sum, views.coords_o, views.row_of_half);
+    }
+    if constexpr (!kDynamic)
+      if (tiles) read_q.advance();  // the producer skips tasks without tiles
   };
   if constexpr (kDynamic) {
     while (true) {
-      Barrier::wait(&bar.q_full, q_phase);
-      q_phase ^= 1u;
-      const Task t = handed_task(bar.task);
+      Barrier::wait(&bar.q_full[read_q.stage], read_q.phase);
+      const Task t = handed_task(bar.task[read_q.stage]);
       if (t.b < 0) return;
       one_task(t);
+      read_q.advance();  // every task, with tiles or not, came through a Q buffer
     }
   } else {
     const int64_t tasks = num_tasks(p);
@@ -109,7 +124,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
   Tensor sK = make_tensor(make_smem_ptr(k_ptr), typename T::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(v_ptr), typename T::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(v_ptr), typename T::SmemLayoutVt{});
-  __shared__ PipelineBarriers<T::kStages> bar;
+  __shared__ PipelineBarriers<T::kStages, T::kQStages> bar;
 
   if (threadIdx.x == 0) bar.init(1, T::kConsumerWarps, kDynamic ? T::kConsumerThreads : T::kConsumerWarps);
   __syncthreads();
@@ -122,7 +137,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
       producer_loop<T>(p, tma, raw_pointer_cast(sQ.data()), k_ptr, v_ptr, bar);
   } else {
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    consumer_loop<T, kDynamic>(p, sQ, sK, sVt, bar);
+    consumer_loop<T, kDynamic>(p, tma, sQ, sK, sVt, bar);
   }
 }
 

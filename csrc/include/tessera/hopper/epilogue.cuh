@@ -1,12 +1,62 @@
 // Hopper epilogue: normalize the output accumulator by the row sums and store O (or the split-K
-// partial) and the log-sum-exp straight from the wgmma accumulator registers. Rows with no active
-// key get 0 and -inf. A tile row goes to its token row (query_row: the grouped layout scatters).
+// partial) and the log-sum-exp. Rows with no active key get 0 and -inf. A tile row goes to its token
+// row (query_row: the grouped layout scatters). Two ways to store O:
+//   store_output      straight from the wgmma accumulator registers (every kernel can);
+//   store_output_tma  through the task's Q buffer and a TMA store (kernels with two Q buffers,
+//                     T::kTmaStore, when the launch's output allows a TMA descriptor): the consumer
+//                     warpgroups wait only for the copy's shared-memory reads, not for their own
+//                     global stores, before the next task (benchmarks/results/h200_epilogue_share).
 #pragma once
-#include "tessera/hopper/traits.cuh"
+#include <cutlass/arch/barrier.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+
+#include "tessera/hopper/traits.cuh"  // before pipeline.cuh: `using namespace cute`
+#include "tessera/hopper/pipeline.cuh"
 #include "tessera/params.h"
 #include "tessera/tasks.cuh"
 
 namespace tessera::hopper {
+
+// What a consumer thread writes for its two accumulator row halves: 1 / row sum, log-sum-exp, and
+// the token row (-1: none).
+struct RowOutputs {
+  float inv[2], lse[2];
+  int row[2];
+};
+
+template <class T>
+__device__ __forceinline__ RowOutputs row_outputs(const TesseraAttnParams& p, const Task& t, const float (&row_max)[2],
+                                                  const float (&row_sum)[2], const int (&row_of_half)[2]) {
+  RowOutputs r;
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    r.row[half] = query_row<T::kTileQ>(p, t, row_of_half[half]);
+    if (r.row[half] >= p.seq_q) r.row[half] = -1;
+    float sum = row_sum[half];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    r.inv[half] = sum > 0.f ? 1.f / sum : 0.f;
+    r.lse[half] = row_lse(row_max[half], sum);
+  }
+  return r;
+}
+
+// The log-sum-exp of the thread's rows (or the split-K partial), from one lane per quad.
+__device__ __forceinline__ void store_lse(const TesseraAttnParams& p, const Task& t, const RowOutputs& r) {
+  if ((threadIdx.x & 3) != 0) return;
+  const int64_t rows_per_split = int64_t(p.batch) * p.heads * p.seq_q;
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int row = r.row[half];
+    if (row < 0) continue;
+    const int64_t bh_row = (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
+    if (p.num_splits > 1)
+      p.lse_partial[int64_t(t.split) * rows_per_split + bh_row] = r.lse[half];
+    else if (p.lse != nullptr)
+      p.lse[bh_row] = r.lse[half];
+  }
+}
 
 // Accumulator value order is (column pair, row half, n8 block): value e sits on row half
 // (e >> 1) & 1 of this thread, and the 4 lanes of a quad share each row.
@@ -15,18 +65,7 @@ __device__ __forceinline__ void store_output(const TesseraAttnParams& p, const T
                                              const float (&row_max)[2], const float (&row_sum)[2],
                                              const CoordO& coords, const int (&row_of_half)[2]) {
   using Element = typename T::Element;
-  float inv[2], lse[2];
-  int out_row[2];  // token rows of this thread's two row halves (-1: none)
-  CUTE_UNROLL
-  for (int half = 0; half < 2; ++half) {
-    out_row[half] = query_row<T::kTileQ>(p, t, row_of_half[half]);
-    if (out_row[half] >= p.seq_q) out_row[half] = -1;
-    float sum = row_sum[half];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    inv[half] = sum > 0.f ? 1.f / sum : 0.f;
-    lse[half] = row_lse(row_max[half], sum);
-  }
+  const RowOutputs r = row_outputs<T>(p, t, row_max, row_sum, row_of_half);
   const bool split = p.num_splits > 1;
   const int64_t rows_per_split = int64_t(p.batch) * p.heads * p.seq_q;
   // A thread's two values of a pair are adjacent columns starting at an even one: one 32-bit store
@@ -36,10 +75,10 @@ __device__ __forceinline__ void store_output(const TesseraAttnParams& p, const T
   CUTE_UNROLL
   for (int e = 0; e < size(o); e += 2) {
     const int half = (e >> 1) & 1;
-    const int row = out_row[half];
+    const int row = r.row[half];
     const int col = int(get<1>(coords(e)));
     if (row < 0) continue;
-    const float v0 = o(e) * inv[half], v1 = o(e + 1) * inv[half];
+    const float v0 = o(e) * r.inv[half], v1 = o(e + 1) * r.inv[half];
     if (split) {
       const int64_t part = int64_t(t.split) * rows_per_split + (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
       *reinterpret_cast<float2*>(p.o_partial + part * T::kHeadDim + col) = make_float2(v0, v1);
@@ -55,18 +94,67 @@ __device__ __forceinline__ void store_output(const TesseraAttnParams& p, const T
       }
     }
   }
-  if ((threadIdx.x & 3) == 0) {
-    CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      const int row = out_row[half];
-      if (row < 0) continue;
-      const int64_t bh_row = (int64_t(t.b) * p.heads + t.h) * p.seq_q + row;
-      if (split)
-        p.lse_partial[int64_t(t.split) * rows_per_split + bh_row] = lse[half];
-      else if (p.lse != nullptr)
-        p.lse[bh_row] = lse[half];
+  store_lse(p, t, r);
+}
+
+// Named barriers of the TMA-store epilogue, one per consumer warpgroup (0 is __syncthreads, 1 and 2
+// the ping-pong turns of mainloop.cuh).
+constexpr int kEpilogueBarrier = 3;
+
+__device__ __forceinline__ void warpgroup_sync(int warpgroup) {
+  asm volatile("barrier.sync %0, %1;" ::"r"(kEpilogueBarrier + warpgroup), "n"(128) : "memory");
+}
+
+// The warpgroup's 64 rows of O, normalized and converted, into its own rows of the task's Q buffer
+// `sO` (kTileQ x D, its Q K^T products are done; the other warpgroup reads only its own rows), then
+// one thread stores them with TMA, a box per 64-column half (per query unit and half in the grouped
+// layout), and waits for the copy's shared-memory reads; then the buffer is released on `q_empty`
+// (by every consumer thread in a dynamically scheduled grid, else by one lane per warp). Rows past
+// Sq are clipped by the TMA unit. Only for launches without split-K (p.num_splits == 1).
+template <class T, bool kDynamic, class FragO, class SmemO, class ThrMma>
+__device__ __forceinline__ void store_output_tma(const TesseraAttnParams& p, const TmaDescriptors& tma, const Task& t,
+                                                 const FragO& o, const float (&row_max)[2], const float (&row_sum)[2],
+                                                 const int (&row_of_half)[2], SmemO sO, const ThrMma& thr_pv,
+                                                 typename T::Element* o_smem, uint64_t* q_empty) {
+  using Element = typename T::Element;
+  const RowOutputs r = row_outputs<T>(p, t, row_max, row_sum, row_of_half);
+  Tensor tOsO = thr_pv.partition_C(sO);
+  static_assert(decltype(size(tOsO))::value == decltype(size(o))::value, "O in shared memory: the accumulator's values");
+  cutlass::arch::fence_view_async_shared();  // after the wgmma reads of these rows, before generic writes
+  CUTE_UNROLL
+  for (int e = 0; e < size(o); ++e) tOsO(e) = static_cast<Element>(o(e) * r.inv[(e >> 1) & 1]);
+  cutlass::arch::fence_view_async_shared();  // generic writes visible to the TMA unit (async proxy)
+  const int warpgroup = (int(threadIdx.x) - T::kProducerThreads) / 128;
+  warpgroup_sync(warpgroup);
+  if ((threadIdx.x & 127) == 0) {
+    constexpr int kHalves = T::kHeadDim / 64;
+    const int first = 64 * warpgroup;  // the warpgroup's first tile row
+    if (p.q_units == nullptr) {
+      CUTE_UNROLL
+      for (int dh = 0; dh < kHalves; ++dh)
+        SM90_TMA_STORE_4D::copy(&tma.o, o_smem + dh * T::kTileQ * 64 + first * 64, dh * 64,
+                                t.q_tile * T::kTileQ + first, t.h, t.b);
+    } else {
+      const int q_unit = 1 << p.q_unit_log2;
+      const int32_t* units = p.q_units + t.meta_row * (T::kTileQ >> p.q_unit_log2) + (first >> p.q_unit_log2);
+      for (int a = 0; a < (64 >> p.q_unit_log2); ++a) {
+        const int unit = __ldg(units + a);
+        if (unit < 0) continue;  // no query unit at this position (the last tile of a head)
+        CUTE_UNROLL
+        for (int dh = 0; dh < kHalves; ++dh)
+          SM90_TMA_STORE_4D::copy(&tma.o, o_smem + dh * T::kTileQ * 64 + (first + a * q_unit) * 64, dh * 64,
+                                  unit << p.q_unit_log2, t.h, t.b);
+      }
     }
+    tma_store_arrive();
+    tma_store_wait<0>();  // the copy has read shared memory; its global writes complete on their own
   }
+  store_lse(p, t, r);
+  warpgroup_sync(warpgroup);
+  if constexpr (kDynamic)
+    Barrier::arrive(q_empty);
+  else
+    release(q_empty);
 }
 
 }  // namespace tessera::hopper

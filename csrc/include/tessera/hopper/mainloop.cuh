@@ -146,19 +146,20 @@ struct RowState {
 
 // The consumer's work on one task with at least one KV tile: Q K^T, masking, softmax and P V over
 // the task's tiles, advancing the K and V read states. `o`, `row_max`, `row_sum` start cleared.
-// kDynamic (a dynamically scheduled grid): Q has already landed (its q_full phase also carried the
-// task), and every thread, not one per warp, releases it.
+// The task's Q is in buffer read_q.stage (advanced by the caller once the task is done), released
+// after the last Q K^T unless `keep_q` (the TMA-store epilogue stages O in it). kDynamic (a
+// dynamically scheduled grid): Q has already landed (its q_full phase also carried the task), and
+// every thread, not one per warp, releases it.
 template <class T, bool kDynamic = false, class Mmas, class Views, class State>
 __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const Task& t, Mmas& mmas, const Views& v,
-                                             State& st, PipelineBarriers<T::kStages>& bar,
+                                             State& st, PipelineBarriers<T::kStages, T::kQStages>& bar,
                                              PipeState<T::kStages>& read_k, PipeState<T::kStages>& read_v,
-                                             uint32_t& q_phase, const PingPong<T>& turns) {
+                                             const PipeState<T::kQStages>& read_q, const PingPong<T>& turns,
+                                             bool keep_q = false) {
   using Element = typename T::Element;
   const int n = t.tile_end - t.tile_begin;
-  if constexpr (!kDynamic) {
-    Barrier::wait(&bar.q_full, q_phase);
-    q_phase ^= 1u;
-  }
+  const int qs = read_q.stage;
+  if constexpr (!kDynamic) Barrier::wait(&bar.q_full[qs], read_q.phase);
 
   Tensor s = partition_fragment_C(mmas.qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});
   // P in the register layout of the A operand: ((2, 2, 2), 1, N / 16), the same value order as S.
@@ -167,7 +168,7 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
 
   auto issue_scores = [&]() {  // S = Q K^T on the next K stage, once the producer has filled it
     Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);  // TMA writes and wgmma reads: both async proxy
-    wgmma_issue<true>(mmas.qk, v.q, v.k(_, _, _, read_k.stage), s);
+    wgmma_issue<true>(mmas.qk, v.q(_, _, _, qs), v.k(_, _, _, read_k.stage), s);
   };
   auto issue_pv = [&]() {  // O += P V on the next V stage
     Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
@@ -177,11 +178,11 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
     warpgroup_fence_operand(s);
     release(&bar.k_empty[read_k.stage]);
     read_k.advance();
-    if (i == n - 1) {
+    if (i == n - 1 && !keep_q) {
       if constexpr (kDynamic)
-        Barrier::arrive(&bar.q_empty);
+        Barrier::arrive(&bar.q_empty[qs]);
       else
-        release(&bar.q_empty);
+        release(&bar.q_empty[qs]);
     }
     if (a.needs_mask) mask_scores<T>(p, a, tile_slots(p, t, t.tile_begin + i), s, v.lane_col, v.row_of_half);
     online_softmax(s, st.row_max, st.row_sum, alpha, p.scale_log2);

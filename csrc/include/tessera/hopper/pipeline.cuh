@@ -27,28 +27,32 @@ using Barrier = cutlass::arch::ClusterBarrier;
 using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
 // TMA descriptors of one launch, passed as a __grid_constant__ kernel parameter. Q boxes are
-// kTileQ rows (q_unit rows in the grouped query layout), K and V boxes kv_unit rows (both 64
-// head-dim columns, 128-byte swizzle).
+// kTileQ rows (q_unit rows in the grouped query layout), K and V boxes kv_unit rows, O boxes 64
+// rows (q_unit rows grouped; all 64 head-dim columns, 128-byte swizzle). `o_store`: O goes out
+// through TMA stores (epilogue.cuh's store_output_tma), else from registers.
 struct alignas(64) TmaDescriptors {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, o;
+  int o_store;
 };
 
-template <int kStages>
+template <int kStages, int kQStages>
 struct PipelineBarriers {
-  uint64_t q_full, q_empty;
+  uint64_t q_full[kQStages], q_empty[kQStages];  // one pair per Q buffer; tasks take the buffers in turn
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
-  // Dynamic task scheduling (p.task_counter): the task whose Q the current q_full phase carries,
-  // decoded by the producer (b = -1 when the CTA has no task left). Written by the producer before
-  // it arrives on q_full (release), read by every consumer thread after its wait on it (acquire),
-  // rewritten only once q_empty has completed, which then counts every consumer thread (each
-  // arrives after its own read).
-  Task task;
+  // Dynamic task scheduling (p.task_counter): the task whose Q the current phase of q_full[i]
+  // carries, decoded by the producer (b = -1 when the CTA has no task left). Written by the
+  // producer before it arrives on q_full[i] (release), read by every consumer thread after its
+  // wait on it (acquire), rewritten only once q_empty[i] has completed, which then counts every
+  // consumer thread (each arrives after its own read).
+  Task task[kQStages];
 
   // `q_releases`: arrivals that complete q_empty (consumer warps, or threads when scheduling is dynamic).
   __device__ void init(int producer_arrivals, int consumer_warps, int q_releases) {
-    Barrier::init(&q_full, producer_arrivals);
-    Barrier::init(&q_empty, q_releases);
+    for (int s = 0; s < kQStages; ++s) {
+      Barrier::init(&q_full[s], producer_arrivals);
+      Barrier::init(&q_empty[s], q_releases);
+    }
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&k_full[s], producer_arrivals);
       Barrier::init(&k_empty[s], consumer_warps);
@@ -108,21 +112,28 @@ __device__ __forceinline__ void load_kv_tile(const CUtensorMap* map, uint64_t* b
   }
 }
 
-// The loads of one task with tiles, once Q's buffer is free: Q (arming the q_full phase), then K
-// and V once per KV tile, each after the consumers have released the stage.
+// The loads of one task with tiles into Q buffer `qs`, once that buffer is free: Q (arming its
+// q_full phase), then K and V once per KV tile, each after the consumers have released the stage.
+// `taken` (dynamic scheduling): the counter's value for the CTA's next task, taken as the loads of
+// the last kTakeAhead tiles are issued, so that the atomic's round trip, the next task's decoding
+// and its Q load overlap the consumers' last tiles (the value is read only after this returns).
+constexpr int kTakeAhead = 2;
+
 template <class T>
-__device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaDescriptors& tma, const Task& t,
+__device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaDescriptors& tma, const Task& t, int qs,
                                           typename T::Element* q_smem, typename T::Element* k_smem,
-                                          typename T::Element* v_smem, PipelineBarriers<T::kStages>& bar,
-                                          PipeState<T::kStages>& write) {
+                                          typename T::Element* v_smem, PipelineBarriers<T::kStages, T::kQStages>& bar,
+                                          PipeState<T::kStages>& write, int* taken = nullptr) {
   using Element = typename T::Element;
   constexpr int kHalves = T::kHeadDim / 64;
   const int unit = 1 << p.kv_unit_log2;
-  TxBarrier::arrive_and_expect_tx(&bar.q_full, T::kTileQ * T::kHeadDim * int(sizeof(Element)));
+  uint64_t* q_full = &bar.q_full[qs];
+  q_smem += qs * T::kTileQ * T::kHeadDim;
+  TxBarrier::arrive_and_expect_tx(q_full, T::kTileQ * T::kHeadDim * int(sizeof(Element)));
   if (p.q_units == nullptr) {
     CUTE_UNROLL
     for (int dh = 0; dh < kHalves; ++dh)
-      SM90_TMA_LOAD_4D::copy(&tma.q, &bar.q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+      SM90_TMA_LOAD_4D::copy(&tma.q, q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
                              q_smem + dh * T::kTileQ * 64, dh * 64, t.q_tile * T::kTileQ, t.h, t.b);
   } else {  // grouped layout: one box of q_unit rows per query unit, at the unit's token rows
     const int q_unit = 1 << p.q_unit_log2;
@@ -132,11 +143,13 @@ __device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaD
       const int row = max(__ldg(units + a), 0) << p.q_unit_log2;  // no unit: rows of unit 0, never stored
       CUTE_UNROLL
       for (int dh = 0; dh < kHalves; ++dh)
-        SM90_TMA_LOAD_4D::copy(&tma.q, &bar.q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+        SM90_TMA_LOAD_4D::copy(&tma.q, q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
                                q_smem + dh * T::kTileQ * 64 + a * q_unit * 64, dh * 64, row, t.h, t.b);
     }
   }
+  const int take_at = max(t.tile_begin, t.tile_end - kTakeAhead);
   for (int tile = t.tile_begin; tile < t.tile_end; ++tile) {
+    if (taken != nullptr && tile == take_at) *taken = atomicAdd(p.task_counter, 1);
     const int32_t* slots = tile_slots(p, t, tile);
     int start[T::kMaxSlots];
     CUTE_UNROLL
@@ -155,36 +168,37 @@ __device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaD
 template <class T>
 __device__ void producer_loop(const TesseraAttnParams& p, const TmaDescriptors& tma, typename T::Element* q_smem,
                               typename T::Element* k_smem, typename T::Element* v_smem,
-                              PipelineBarriers<T::kStages>& bar) {
+                              PipelineBarriers<T::kStages, T::kQStages>& bar) {
   if (threadIdx.x != 0) return;
   cute::prefetch_tma_descriptor(&tma.q);
   cute::prefetch_tma_descriptor(&tma.k);
   cute::prefetch_tma_descriptor(&tma.v);
   PipeState<T::kStages> write;
-  uint32_t q_phase = 0;
+  PipeState<T::kQStages> write_q;
   const int64_t tasks = num_tasks(p);
   for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
     const Task t = decode_task(p, task_id);
     if (t.tile_end <= t.tile_begin) continue;  // the consumers write the empty-row epilogue alone
-    Barrier::wait(&bar.q_empty, q_phase ^ 1u);
-    q_phase ^= 1u;
-    load_task<T>(p, tma, t, q_smem, k_smem, v_smem, bar, write);
+    Barrier::wait(&bar.q_empty[write_q.stage], write_q.phase ^ 1u);
+    load_task<T>(p, tma, t, write_q.stage, q_smem, k_smem, v_smem, bar, write);
+    write_q.advance();
   }
 }
 
 // The producer of a dynamically scheduled persistent grid (p.task_counter): CTA b starts with task
-// b and takes its next one from the counter once it has issued the loads of the current one. Every
-// task, with tiles or not, and the end (-1) are handed to the consumers through a q_full phase.
+// b and takes its next one from the counter while it issues the loads of the current one's last
+// tiles (load_task; with one Q buffer, once it has issued them). Every task, with tiles or not, and
+// the end (-1) are handed to the consumers through a phase of the next Q buffer's q_full.
 template <class T>
 __device__ void producer_loop_dynamic(const TesseraAttnParams& p, const TmaDescriptors& tma,
                                       typename T::Element* q_smem, typename T::Element* k_smem,
-                                      typename T::Element* v_smem, PipelineBarriers<T::kStages>& bar) {
+                                      typename T::Element* v_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
   if (threadIdx.x != 0) return;
   cute::prefetch_tma_descriptor(&tma.q);
   cute::prefetch_tma_descriptor(&tma.k);
   cute::prefetch_tma_descriptor(&tma.v);
   PipeState<T::kStages> write;
-  uint32_t q_phase = 0;
+  PipeState<T::kQStages> write_q;
   const int64_t tasks = num_tasks(p);
   int64_t task_id = blockIdx.x;
   while (true) {
@@ -192,19 +206,27 @@ __device__ void producer_loop_dynamic(const TesseraAttnParams& p, const TmaDescr
     const bool done = task_id >= tasks;
     Task t{};
     if (!done) t = decode_task(p, task_id);
-    Barrier::wait(&bar.q_empty, q_phase ^ 1u);
-    q_phase ^= 1u;
+    const int qs = write_q.stage;
+    Barrier::wait(&bar.q_empty[qs], write_q.phase ^ 1u);
+    write_q.advance();
     if (done) {
-      bar.task.b = -1;
-      Barrier::arrive(&bar.q_full);
+      bar.task[qs].b = -1;
+      Barrier::arrive(&bar.q_full[qs]);
       return;
     }
-    bar.task = t;
-    if (t.tile_end > t.tile_begin)
-      load_task<T>(p, tma, t, q_smem, k_smem, v_smem, bar, write);
-    else
-      Barrier::arrive(&bar.q_full);  // no Q to load: the consumers only write the empty rows
-    task_id = int64_t(gridDim.x) + atomicAdd(p.task_counter, 1);
+    bar.task[qs] = t;
+    int taken;
+    if (t.tile_end > t.tile_begin) {
+      // With two Q buffers the next task is taken while the last tiles' loads are issued (its Q then
+      // loads at once); with one, after them, as its Q waits for this task's buffer anyway (taking it
+      // early measured 1-2% slower there: benchmarks/results/h200_tma_store_epilogue).
+      load_task<T>(p, tma, t, qs, q_smem, k_smem, v_smem, bar, write, T::kQStages == 2 ? &taken : nullptr);
+      if constexpr (T::kQStages != 2) taken = atomicAdd(p.task_counter, 1);
+    } else {
+      Barrier::arrive(&bar.q_full[qs]);  // no Q to load: the consumers only write the empty rows
+      taken = atomicAdd(p.task_counter, 1);
+    }
+    task_id = int64_t(gridDim.x) + taken;
   }
 }
 
@@ -244,6 +266,11 @@ int make_tma_descriptors(const TesseraAttnParams& p, TmaDescriptors& d) {
       one(&d.k, p.k, p.k_stride, p.seq_kv, unit) != CUDA_SUCCESS ||
       one(&d.v, p.v, p.v_stride, p.seq_kv, unit) != CUDA_SUCCESS)
     return int(cudaErrorInvalidValue);  // strides or base not 16-byte aligned, or a box past the limits
+  // O by TMA where the kernel stages it (two Q buffers), the launch has no split-K workspace and the
+  // output's layout takes a descriptor (16-byte aligned base and strides); else from registers.
+  const int o_rows = p.q_units != nullptr ? q_rows : 64;
+  d.o_store = T::kTmaStore && p.num_splits == 1 && o_rows <= 64 &&
+              one(&d.o, p.o, p.o_stride, p.seq_q, o_rows) == CUDA_SUCCESS;
   return 0;
 }
 #endif

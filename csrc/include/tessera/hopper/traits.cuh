@@ -35,14 +35,33 @@ struct Traits {
 #endif
   static constexpr bool kPingPong = kWarpgroups == 2 && TESSERA_HOPPER_PINGPONG != 0;
 
-  static constexpr int kSmemQBytes = kTileQ * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemQTileBytes = kTileQ * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemKVBytes = kTileKV * kHeadDim * kStages * int(sizeof(Element));
-  static constexpr int kSmemBytes = kSmemQBytes + 2 * kSmemKVBytes + 1024;  // + alignment slack
-  // A 64 x 64 tile has one consumer warpgroup and, with a 2-stage ring, needs 81 KB at D = 128, so
-  // two CTAs share an SM and each one's softmax overlaps the other's GEMMs (the role the second
-  // consumer warpgroup of a 128-row tile plays). The SM's 228 KB also hold 1 KB reserved per CTA
-  // and the static barriers: 2 KB of margin per CTA covers both.
-  static constexpr int kCtasPerSm = kTileQ == 64 && kTileKV == 64 && 2 * (kSmemBytes + 2048) <= 228 * 1024 ? 2 : 1;
+  static constexpr int smem_bytes(int q_stages) { return q_stages * kSmemQTileBytes + 2 * kSmemKVBytes + 1024; }  // + alignment slack
+  // A 64 x 64 tile has one consumer warpgroup and, with a 2-stage ring, needs 81 KB at D = 128 (97
+  // KB with two Q buffers), so two CTAs share an SM and each one's softmax overlaps the other's
+  // GEMMs (the role the second consumer warpgroup of a 128-row tile plays). The SM's 228 KB also
+  // hold 1 KB reserved per CTA and the static barriers: 2 KB of margin per CTA covers both.
+  static constexpr int kCtasPerSm = kTileQ == 64 && kTileKV == 64 && 2 * (smem_bytes(1) + 2048) <= 228 * 1024 ? 2 : 1;
+  // Q buffers: two where they fit beside the KV ring at the same CTAs per SM, so the producer
+  // loads the next task's Q while the consumers still work on the current one (a persistent grid
+  // then starts each task without waiting for its Q); one otherwise (e.g. 128 x 128 with 3
+  // stages). -DTESSERA_HOPPER_Q_STAGES=1 builds every kernel with one.
+#ifndef TESSERA_HOPPER_Q_STAGES
+#define TESSERA_HOPPER_Q_STAGES 2
+#endif
+  static constexpr bool fits(int bytes) {
+    return kCtasPerSm == 2 ? 2 * (bytes + 2048) <= 228 * 1024 : bytes + 2048 <= 228 * 1024;
+  }
+  static constexpr int kQStages = TESSERA_HOPPER_Q_STAGES >= 2 && fits(smem_bytes(2)) ? 2 : 1;
+  static constexpr int kSmemQBytes = kQStages * kSmemQTileBytes;
+  // With two Q buffers the epilogue can stage O in the finished task's one and store it with TMA
+  // (epilogue.cuh); -DTESSERA_HOPPER_TMA_STORE=0 keeps the stores from registers.
+#ifndef TESSERA_HOPPER_TMA_STORE
+#define TESSERA_HOPPER_TMA_STORE 1
+#endif
+  static constexpr bool kTmaStore = kQStages == 2 && TESSERA_HOPPER_TMA_STORE != 0;
+  static constexpr int kSmemBytes = smem_bytes(kQStages);
 
   // Register budgets after setmaxnreg. 384 threads at one CTA per SM launch with 168 registers each
   // (65536 / 384, rounded down to 8): 128 x 40 + 256 x 232 = 384 x 168. 256 threads at two CTAs
@@ -65,7 +84,7 @@ struct Traits {
       Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
 
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 elements, 128B swizzle
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kTileQ>, Int<kHeadDim>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kTileQ>, Int<kHeadDim>, Int<kQStages>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kTileKV>, Int<kHeadDim>, Int<kStages>>{}));
   // V seen as (head dim, key, stage) for the PV product: the same bytes, transposed coordinates.
   using SmemLayoutVt = decltype(composition(
