@@ -30,8 +30,6 @@ def add_explain(sub: argparse._SubParsersAction) -> None:
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import torch
 
     from .catalog import all_kernels
@@ -57,8 +55,8 @@ def run_explain(args: argparse.Namespace) -> int:
     print(selection.explain())
     if selection.chosen is not None:  # what the runtime re-prepares the mask with when it comes back
         reused = selector.reused_plan(selection.chosen, request, state)
-        key, ctx = dataclasses.replace(request, reused_mask=True).key, selector.context(arch)
-        source = f"the table's {key} key" if ctx.table is not None and key in ctx.table.keys else "the rule"
+        by = selector.reused_request(selection.chosen, request)
+        source = "the rule" if by is None else f"the table's {by.key} key"
         print(f"a mask that comes back: {reused.name} ({source})")
     return 0
 

@@ -268,14 +268,21 @@ class Selector:
         the mask's statistics like any request) where the table has that key, else the rule of
         ``reused_mask_plan``. ``plan`` itself where the answer is the same plan;
         ``$TESSERA_GROUP_QUERIES`` (``0`` / ``1``) overrides the table."""
-        if os.environ.get(GROUP_QUERIES_ENV, "") in ("0", "1") or plan.q_layout is QLayout.GROUPED:
-            return reused_mask_plan(plan, request)
-        reused = dataclasses.replace(request, reused_mask=True)
-        table = self.context(request.arch, warn).table
-        if table is None or reused.key not in table.keys:
+        reused = self.reused_request(plan, request, warn)
+        if reused is None:
             return reused_mask_plan(plan, request)
         chosen = self.selection(reused, state, warn).chosen
         return plan if chosen is None or chosen == plan else chosen
+
+    def reused_request(self, plan: PhysicalPlan, request: Request, warn: Warn | None = None) -> Request | None:
+        """The ``/reused`` request whose table choice ``reused_plan`` takes for a mask that ran
+        ``plan``, or None where the rule of ``reused_mask_plan`` decides: ``plan`` already grouped,
+        ``$TESSERA_GROUP_QUERIES`` set, or no such key in the table."""
+        if os.environ.get(GROUP_QUERIES_ENV, "") in ("0", "1") or plan.q_layout is QLayout.GROUPED:
+            return None
+        reused = dataclasses.replace(request, reused_mask=True)
+        table = self.context(request.arch, warn).table
+        return None if table is None or reused.key not in table.keys else reused
 
     def rank(self, request: Request, state: MaskState, warn: Warn | None = None) -> Selection:
         """The full decision for ``explain``: every ranked plan checked, every rejection kept."""
