@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 import torch
+from grouped_layout import cuda_ms  # benchmarks/ is on the path of a script
 
 from tessera_diffusers.bench.config import SIZE_PROFILES
-from tessera_diffusers.bench.timing import elapsed_ms
 from tessera_diffusers.corpus import enumerate_cases, family_named
 from tessera_diffusers.regroup import DEFAULT_WINDOW, QueryGrouping, group_query_blocks_torch, query_grouping
 
@@ -43,10 +43,10 @@ def grouping(blocks: torch.Tensor, group: int, window: int, segment: int, reps: 
     """The grouping of ``blocks`` and, on CUDA (the native kernel), its median milliseconds (NaN on the CPU)."""
     if blocks.device.type != "cuda":
         return group_query_blocks_torch(blocks, group, window, segment=segment), float("nan")
-    result = query_grouping(blocks, group, window, segment=segment, native=True)  # warm-up (and the answer)
-    times = sorted(elapsed_ms(lambda: query_grouping(blocks, group, window, segment=segment, native=True),
-                              blocks.device) for _ in range(reps))
-    return result, times[len(times) // 2]
+    def run() -> QueryGrouping:
+        return query_grouping(blocks, group, window, segment=segment, native=True)
+
+    return run(), cuda_ms(run, reps, blocks.device)
 
 
 def sweep(families: list[str], cases: int, segments: list[int], window: int, device: torch.device,
