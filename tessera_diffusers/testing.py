@@ -71,6 +71,7 @@ def interleaved_mask(batch: int, heads: int, seq_q: int, seq_kv: int, block_q: i
     blocks[:, :, 1] = False
     return LogicalMask(blocks.to(device), block_q, block_kv, seq_q, seq_kv)
 
+
 def banded_mask(heads: int, seq: int, block_q: int, block_kv: int, density: float = 0.1,
                 device: torch.device | str = "cpu") -> LogicalMask:
     """A band of KV blocks around the diagonal covering about ``density`` of the mask, the same for
