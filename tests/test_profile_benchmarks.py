@@ -377,3 +377,43 @@ def test_regrouped_attention_scattered_back_equals_the_original():
     partial = LogicalMask(mask.blocks, 16, 16, mask.seq_len_q - 3, mask.seq_len_kv)
     with pytest.raises(ValueError):
         regroup.permuted_mask(partial, perm)
+
+
+def tiny_elf(sections: dict[str, bytes]) -> bytes:
+    """A minimal 64-bit little-endian ELF image holding ``sections`` (and its section-name table)."""
+    import struct
+
+    names = b"\0.shstrtab\0" + b"".join(name.encode() + b"\0" for name in sections)
+    blobs = [names] + list(sections.values())
+    data, offsets, at = b"", [], 64
+    for blob in blobs:
+        offsets.append(at)
+        data += blob
+        at += len(blob)
+    name_offsets = [1] + [names.index(name.encode() + b"\0") for name in sections]
+    headers = struct.pack("<IIQQQQIIQQ", *[0] * 10)  # the null section
+    for name_off, offset, blob in zip(name_offsets, offsets, blobs):
+        headers += struct.pack("<IIQQQQIIQQ", name_off, 1, 0, 0, offset, len(blob), 0, 0, 1, 0)
+    header = struct.pack("<16sHHIQQQIHHHHHH", b"\x7fELF\x02\x01\x01" + bytes(9), 1, 190, 1, 0, 0, at, 0, 64, 0, 0,
+                         64, len(blobs) + 1, 1)
+    return header + data + headers
+
+
+def test_kernel_code_diff_compares_text_sections_by_kernel(tmp_path, monkeypatch, capsys):
+    diff = load("kernel_code_diff")
+    old = tiny_elf({".text.kernel_a": b"\x01\x02", ".text.kernel_b": b"\x03", ".nv.info.kernel_a": b"x"})
+    moved_lines = tiny_elf({".text.kernel_a": b"\x01\x02", ".nv.info.kernel_a": b"yy", ".text.kernel_b": b"\x03"})
+    changed = tiny_elf({".text.kernel_a": b"\x01\x09", ".text.kernel_b": b"\x03"})
+    hashes = diff.kernel_text_hashes(old)
+    assert set(hashes) == {"kernel_a", "kernel_b"}  # only instruction sections
+    assert diff.kernel_text_hashes(moved_lines) == hashes
+    assert [len(i) for i in diff.split_images(b"pad" + old + b"gap" + changed)] == [len(old) + 3 + len(changed),
+                                                                                    len(changed)]
+    images = {"old.so": [old], "same.so": [moved_lines], "new.so": [changed]}
+    monkeypatch.setattr(diff, "embedded_cubins", lambda path: images[path.name])
+    for name in images:
+        (tmp_path / name).write_bytes(b"")
+    assert diff.main([str(tmp_path / "old.so"), str(tmp_path / "same.so")]) == 0
+    assert diff.main([str(tmp_path / "old.so"), str(tmp_path / "new.so")]) == 1
+    out = capsys.readouterr().out
+    assert "changed: kernel_a" in out and "1 kernels with the same code, 1 changed" in out
