@@ -87,7 +87,7 @@ __device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
     if (T::kTmaStore && tma_store && tiles) {
       const int qs = read_q.stage;
       store_output_tma<T, kDynamic>(p, tma, t, st.o, st.row_max, st.row_sum, views.row_of_half, sQ(_, _, qs), thr_pv,
-                                    raw_pointer_cast(sQ.data()) + qs * T::kTileQ * T::kHeadDim, &bar.q_empty[qs]);
+                                    raw_pointer_cast(sQ.data()) + T::q_buffer_offset(qs), &bar.q_empty[qs]);
     } else {
       store_output<T>(p, t, st.o, st.row_max, st.row_sum, views.coords_o, views.row_of_half);
     }

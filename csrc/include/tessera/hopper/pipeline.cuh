@@ -117,7 +117,13 @@ __device__ __forceinline__ void load_kv_tile(const CUtensorMap* map, uint64_t* b
 // `taken` (dynamic scheduling): the counter's value for the CTA's next task, taken as the loads of
 // the last kTakeAhead tiles are issued, so that the atomic's round trip, the next task's decoding
 // and its Q load overlap the consumers' last tiles (the value is read only after this returns).
-constexpr int kTakeAhead = 2;
+// -DTESSERA_HOPPER_TAKE_AHEAD=0 takes it after the loads in every kernel (an A/B switch: with one
+// Q buffer the early take measured 1-2% slower, benchmarks/results/h200_tma_store_epilogue).
+#ifndef TESSERA_HOPPER_TAKE_AHEAD
+#define TESSERA_HOPPER_TAKE_AHEAD 2
+#endif
+constexpr int kTakeAhead = TESSERA_HOPPER_TAKE_AHEAD;
+static_assert(kTakeAhead >= 0, "TESSERA_HOPPER_TAKE_AHEAD: tiles before a task's end, 0 for after its loads");
 
 template <class T>
 __device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaDescriptors& tma, const Task& t, int qs,
@@ -128,7 +134,7 @@ __device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaD
   constexpr int kHalves = T::kHeadDim / 64;
   const int unit = 1 << p.kv_unit_log2;
   uint64_t* q_full = &bar.q_full[qs];
-  q_smem += qs * T::kTileQ * T::kHeadDim;
+  q_smem += T::q_buffer_offset(qs);
   TxBarrier::arrive_and_expect_tx(q_full, T::kTileQ * T::kHeadDim * int(sizeof(Element)));
   if (p.q_units == nullptr) {
     CUTE_UNROLL
@@ -220,8 +226,9 @@ __device__ void producer_loop_dynamic(const TesseraAttnParams& p, const TmaDescr
       // With two Q buffers the next task is taken while the last tiles' loads are issued (its Q then
       // loads at once); with one, after them, as its Q waits for this task's buffer anyway (taking it
       // early measured 1-2% slower there: benchmarks/results/h200_tma_store_epilogue).
-      load_task<T>(p, tma, t, qs, q_smem, k_smem, v_smem, bar, write, T::kQStages == 2 ? &taken : nullptr);
-      if constexpr (T::kQStages != 2) taken = atomicAdd(p.task_counter, 1);
+      constexpr bool kEarlyTake = T::kQStages == 2 && kTakeAhead > 0;
+      load_task<T>(p, tma, t, qs, q_smem, k_smem, v_smem, bar, write, kEarlyTake ? &taken : nullptr);
+      if constexpr (!kEarlyTake) taken = atomicAdd(p.task_counter, 1);
     } else {
       Barrier::arrive(&bar.q_full[qs]);  // no Q to load: the consumers only write the empty rows
       taken = atomicAdd(p.task_counter, 1);

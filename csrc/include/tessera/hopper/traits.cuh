@@ -55,6 +55,9 @@ struct Traits {
   }
   static constexpr int kQStages = TESSERA_HOPPER_Q_STAGES >= 2 && fits(smem_bytes(2)) ? 2 : 1;
   static constexpr int kSmemQBytes = kQStages * kSmemQTileBytes;
+  // Element offset of Q buffer `qs` in the Q region: the producer loads a task's Q there and the
+  // TMA-store epilogue stages its O there.
+  CUTE_HOST_DEVICE static constexpr int q_buffer_offset(int qs) { return qs * kTileQ * kHeadDim; }
   // With two Q buffers the epilogue can stage O in the finished task's one and store it with TMA
   // (epilogue.cuh); -DTESSERA_HOPPER_TMA_STORE=0 keeps the stores from registers.
 #ifndef TESSERA_HOPPER_TMA_STORE
