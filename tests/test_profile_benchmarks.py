@@ -417,3 +417,28 @@ def test_kernel_code_diff_compares_text_sections_by_kernel(tmp_path, monkeypatch
     assert diff.main([str(tmp_path / "old.so"), str(tmp_path / "new.so")]) == 1
     out = capsys.readouterr().out
     assert "changed: kernel_a" in out and "1 kernels with the same code, 1 changed" in out
+
+
+def test_profile_pairs_groups_plans_by_stages_and_schedule(tmp_path):
+    pairs = load("profile_pairs")
+    persistent, static = "direct_q64k64_from_q64k64_x_s2w4_lpt-persistent", "direct_q64k64_from_q64k64_x_s3w4_lpt"
+
+    def write(path, scale):
+        rows = [{"type": "case", "case": "c0"}]
+        for case, base in (("c0", 2.0), ("c1", 4.0)):
+            rows.append({"type": "plan", "case": case, "plan": persistent, "status": "ok", "latency_ms": base * scale})
+            rows.append({"type": "plan", "case": case, "plan": static, "status": "ok", "latency_ms": base})
+        rows.append({"type": "plan", "case": "c1", "plan": "only_old_s2w4_lpt", "status": "ok", "latency_ms": 1.0})
+        rows.append({"type": "plan", "case": "c0", "plan": static, "status": "failed", "latency_ms": 99.0})
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    write(tmp_path / "old.jsonl", 1.0)
+    write(tmp_path / "new.jsonl", 1.1)
+    ratios = pairs.pair(pairs.latencies([tmp_path / "old.jsonl"]), pairs.latencies([tmp_path / "new.jsonl"]), 2)
+    assert set(ratios) == {persistent, static}  # the one-case plan is left out
+    assert pairs.gm(ratios[persistent]) == pytest.approx(1.1) and pairs.gm(ratios[static]) == pytest.approx(1.0)
+    md = tmp_path / "pairs.md"
+    assert pairs.main(["--old", str(tmp_path / "old.jsonl"), "--new", str(tmp_path / "new.jsonl"), "--min-cases", "2",
+                       "--md", str(md)]) == 0
+    text = md.read_text()
+    assert "| 2 stages, persistent (dynamic) | 1 | 1.100 |" in text and "| 3 stages, static grid | 1 | 1.000 |" in text
