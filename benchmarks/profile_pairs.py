@@ -24,7 +24,8 @@ from pathlib import Path
 
 
 def latencies(paths: list[Path]) -> dict[str, dict[str, float]]:
-    """case -> plan -> median latency (ms) of the valid measurements in ``paths``."""
+    """case -> plan -> recorded latency (ms, the median of its samples) of the valid measurements in
+    ``paths``; where several files timed a (case, plan), the last one's counts."""
     out: dict[str, dict[str, float]] = collections.defaultdict(dict)
     for path in paths:
         opener = gzip.open if path.suffix == ".gz" else open
