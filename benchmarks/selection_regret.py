@@ -15,6 +15,7 @@ kernel and layout); a chosen plan that was not timed is reported as such, never 
     python benchmarks/selection_regret.py RECORDS --table PATH --md OUT.md
     python benchmarks/selection_regret.py RECORDS --table A.json --table B.json   # tables side by side
     python benchmarks/selection_regret.py RUN1 RUN2 --table PATH   # repeated runs of the same cases
+    python benchmarks/selection_regret.py REUSED_PROFILE --first-call   # natural keys, on a reused-mask profile
 
 With several records files (repeated profiling runs of the same cases) each (case, plan) latency is
 the geometric mean over the runs that timed it in all of them, and the report adds the repeat floor:
@@ -45,7 +46,7 @@ from tessera_diffusers.corpus import CaseSpec
 from tessera_diffusers.corpus.grids import grid_named
 from tessera_diffusers.mask_state import MaskState
 from tessera_diffusers.plan_table import load_plan_table
-from tessera_diffusers.plans import DTYPE_NAMES, PhysicalPlan, Request
+from tessera_diffusers.plans import DTYPE_NAMES, PhysicalPlan, QLayout, Request
 from tessera_diffusers.profile.records import read_records, request_from_dict, timing_method
 from tessera_diffusers.selector import AUTO, Selector
 
@@ -86,6 +87,18 @@ def profile_cases(records: list[dict]) -> dict[str, dict]:
                           "abandoned": abandoned.get(rec["case"], set()), "methods": methods.get(rec["case"], set()),
                           "samples": samples.get(rec["case"], {})}
             for rec in records if rec.get("type") == "case" and latencies.get(rec["case"])}
+
+
+def first_call_view(run: dict[str, dict]) -> dict[str, dict]:
+    """A reused-mask profile's cases as a mask's first call sees them: the plans in the grouped query
+    layout dropped (a first call never re-prepares the mask), the natural plans' latencies kept (a
+    kernel's time does not depend on whether its mask comes back)."""
+    def natural(plans):
+        return {p: v for p, v in plans.items() if not p.split("_", 1)[0].startswith(QLayout.GROUPED.value)}
+
+    return {name: {**case, "plans": natural(case["plans"]), "samples": natural(case.get("samples", {})),
+                   "abandoned": {p for p in case["abandoned"] if p in natural(case["plans"])}}
+            for name, case in run.items() if natural(case["plans"])}
 
 
 def timing_methods(run: dict[str, dict]) -> set[str]:
@@ -202,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="judge only the cases that this other records file also has")
     parser.add_argument("--plot", type=Path, default=None,
                         help="also draw the regret of every selector here (PNG: per-case CDF, per-family GM)")
+    parser.add_argument("--first-call", action="store_true",
+                        help="judge a reused-mask profile (--reused-masks) as the masks' first calls: the "
+                             "natural keys' choice among the natural plans (grouped-layout plans dropped)")
     parser.add_argument("--mask-cache", type=Path, default=None,
                         help="keep built masks here and reuse them on the next run")
     args = parser.parse_args(argv)
@@ -221,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, regrets = [], {name: [] for name in selectors}
     splits: dict[str, list[tuple[float, float]]] = {name: [] for name in selectors}
     runs = [load_cases(path) for path in args.records]
+    if args.first_call:
+        runs = [first_call_view(run) for run in runs]
     if args.same_cases_as is not None:
         keep = set(load_cases(args.same_cases_as))
         runs = [{name: case for name, case in run.items() if name in keep} for run in runs]
@@ -229,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         if rec.get("type") == "case":  # a profile record: the spec and the request are stored
             mask = cached_mask(args.mask_cache, name, CaseSpec.from_dict(rec["spec"]).build)
             request = request_from_dict(rec["request"])
+            if args.first_call:
+                request = dataclasses.replace(request, reused_mask=False)
         else:
             mask = cached_mask(args.mask_cache, name, case_spec(name, rec).build)
             request = Request(rec["batch"], rec["heads"], mask.seq_len_q, mask.seq_len_kv, rec["head_dim"],

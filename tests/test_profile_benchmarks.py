@@ -67,6 +67,19 @@ def test_selection_regret_reads_profile_records_and_their_abandoned_plans():
     assert report.timing_methods(report.profile_cases([case, *plans])) == {"sequential", "interleaved"}
 
 
+def test_selection_regret_first_call_view_keeps_the_natural_plans_only():
+    report = load("selection_regret")
+    natural, grouped = "direct_q64k64_from_q64k64_x_s2w4_lpt", "grouped-packed_q128k128_from_q64k64_x_s2w8_lpt"
+    run = {"c1": {"record": {}, "plans": {natural: 1.2, grouped: 1.0}, "abandoned": {grouped},
+                  "samples": {natural: [1.2, 1.3], grouped: [1.0, 1.1]}},
+           "c2": {"record": {}, "plans": {grouped: 2.0}, "abandoned": set(), "samples": {}}}
+    view = report.first_call_view(run)
+    assert set(view) == {"c1"}  # a case with no natural plan timed has nothing to judge
+    assert view["c1"]["plans"] == {natural: 1.2} and view["c1"]["samples"] == {natural: [1.2, 1.3]}
+    assert view["c1"]["abandoned"] == set()
+    assert run["c1"]["plans"] == {natural: 1.2, grouped: 1.0}  # the run itself is left as it was
+
+
 def test_selection_regret_averages_repeated_runs_and_reports_the_repeat_floor():
     """Several records files of the same cases: latencies are the geometric mean over the runs of the
     plans every run timed; the repeat floor judges each run's fastest plan in the other run."""
