@@ -132,7 +132,7 @@ __device__ __forceinline__ void store_output_tma(const TesseraAttnParams& p, con
     if (p.q_units == nullptr) {
       CUTE_UNROLL
       for (int dh = 0; dh < kHalves; ++dh)
-        SM90_TMA_STORE_4D::copy(&tma.o, o_smem + dh * T::kTileQ * 64 + first * 64, dh * 64,
+        SM90_TMA_STORE_4D::copy(&tma.o, o_smem + T::q_box_offset(first, dh), dh * 64,
                                 t.q_tile * T::kTileQ + first, t.h, t.b);
     } else {
       const int q_unit = 1 << p.q_unit_log2;
@@ -142,7 +142,7 @@ __device__ __forceinline__ void store_output_tma(const TesseraAttnParams& p, con
         if (unit < 0) continue;  // no query unit at this position (the last tile of a head)
         CUTE_UNROLL
         for (int dh = 0; dh < kHalves; ++dh)
-          SM90_TMA_STORE_4D::copy(&tma.o, o_smem + dh * T::kTileQ * 64 + (first + a * q_unit) * 64, dh * 64,
+          SM90_TMA_STORE_4D::copy(&tma.o, o_smem + T::q_box_offset(first + a * q_unit, dh), dh * 64,
                                   unit << p.q_unit_log2, t.h, t.b);
       }
     }
@@ -151,10 +151,7 @@ __device__ __forceinline__ void store_output_tma(const TesseraAttnParams& p, con
   }
   store_lse(p, t, r);
   warpgroup_sync(warpgroup);
-  if constexpr (kDynamic)
-    Barrier::arrive(q_empty);
-  else
-    release(q_empty);
+  release_q<kDynamic>(q_empty);
 }
 
 }  // namespace tessera::hopper

@@ -178,12 +178,7 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
     warpgroup_fence_operand(s);
     release(&bar.k_empty[read_k.stage]);
     read_k.advance();
-    if (i == n - 1 && !keep_q) {
-      if constexpr (kDynamic)
-        Barrier::arrive(&bar.q_empty[qs]);
-      else
-        release(&bar.q_empty[qs]);
-    }
+    if (i == n - 1 && !keep_q) release_q<kDynamic>(&bar.q_empty[qs]);
     if (a.needs_mask) mask_scores<T>(p, a, tile_slots(p, t, t.tile_begin + i), s, v.lane_col, v.row_of_half);
     online_softmax(s, st.row_max, st.row_sum, alpha, p.scale_log2);
   };

@@ -96,6 +96,16 @@ __device__ __forceinline__ void release(uint64_t* bar) {
   if ((threadIdx.x & 31) == 0) Barrier::arrive(bar);
 }
 
+// The consumers are done with a Q buffer: in a dynamically scheduled grid every consumer thread
+// arrives (each has read the handed task, PipelineBarriers::task), else one lane per warp.
+template <bool kDynamic>
+__device__ __forceinline__ void release_q(uint64_t* q_empty) {
+  if constexpr (kDynamic)
+    Barrier::arrive(q_empty);
+  else
+    release(q_empty);
+}
+
 // TMA loads of one KV tile of `map` (K or V) into one stage: per slot, one box per head-dim half.
 template <class T>
 __device__ __forceinline__ void load_kv_tile(const CUtensorMap* map, uint64_t* bar, typename T::Element* stage,
@@ -140,7 +150,7 @@ __device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaD
     CUTE_UNROLL
     for (int dh = 0; dh < kHalves; ++dh)
       SM90_TMA_LOAD_4D::copy(&tma.q, q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                             q_smem + dh * T::kTileQ * 64, dh * 64, t.q_tile * T::kTileQ, t.h, t.b);
+                             q_smem + T::q_box_offset(0, dh), dh * 64, t.q_tile * T::kTileQ, t.h, t.b);
   } else {  // grouped layout: one box of q_unit rows per query unit, at the unit's token rows
     const int q_unit = 1 << p.q_unit_log2;
     const int kq = T::kTileQ >> p.q_unit_log2;
@@ -150,7 +160,7 @@ __device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaD
       CUTE_UNROLL
       for (int dh = 0; dh < kHalves; ++dh)
         SM90_TMA_LOAD_4D::copy(&tma.q, q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                               q_smem + dh * T::kTileQ * 64 + a * q_unit * 64, dh * 64, row, t.h, t.b);
+                               q_smem + T::q_box_offset(a * q_unit, dh), dh * 64, row, t.h, t.b);
     }
   }
   const int take_at = max(t.tile_begin, t.tile_end - kTakeAhead);

@@ -58,6 +58,9 @@ struct Traits {
   // Element offset of Q buffer `qs` in the Q region: the producer loads a task's Q there and the
   // TMA-store epilogue stages its O there.
   CUTE_HOST_DEVICE static constexpr int q_buffer_offset(int qs) { return qs * kTileQ * kHeadDim; }
+  // Element offset, within one Q buffer, of the TMA box of head-dim half `half` (64 columns) that
+  // starts at tile row `row`: each half is a kTileQ x 64 slab of 128-byte-swizzled rows.
+  CUTE_HOST_DEVICE static constexpr int q_box_offset(int row, int half) { return half * kTileQ * 64 + row * 64; }
   // With two Q buffers the epilogue can stage O in the finished task's one and store it with TMA
   // (epilogue.cuh); -DTESSERA_HOPPER_TMA_STORE=0 keeps the stores from registers.
 #ifndef TESSERA_HOPPER_TMA_STORE
