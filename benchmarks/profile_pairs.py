@@ -15,30 +15,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
-import math
 import re
 import sys
 from pathlib import Path
+from statistics import geometric_mean as gm
+
+from tessera_diffusers.profile.records import read_records
 
 
 def latencies(paths: list[Path]) -> dict[str, dict[str, float]]:
     """case -> plan -> recorded latency (ms, the median of its samples) of the valid measurements in
     ``paths``; where several files timed a (case, plan), the last one's counts."""
     out: dict[str, dict[str, float]] = collections.defaultdict(dict)
-    for path in paths:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as f:
-            for line in f:
-                r = json.loads(line)
-                if r.get("type") == "plan" and r.get("status") == "ok":
-                    out[r["case"]][r["plan"]] = float(r["latency_ms"])
+    for r in read_records(paths):
+        if r.get("type") == "plan" and r.get("status") == "ok":
+            out[r["case"]][r["plan"]] = float(r["latency_ms"])
     return out
-
-
-def gm(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 STAGES = re.compile(r"_s(\d)w\d_")

@@ -93,12 +93,16 @@ def first_call_view(run: dict[str, dict]) -> dict[str, dict]:
     """A reused-mask profile's cases as a mask's first call sees them: the plans in the grouped query
     layout dropped (a first call never re-prepares the mask), the natural plans' latencies kept (a
     kernel's time does not depend on whether its mask comes back)."""
-    def natural(plans):
-        return {p: v for p, v in plans.items() if not p.split("_", 1)[0].startswith(QLayout.GROUPED.value)}
+    def natural(plan: str) -> bool:
+        return not plan.split("_", 1)[0].startswith(QLayout.GROUPED.value)
 
-    return {name: {**case, "plans": natural(case["plans"]), "samples": natural(case.get("samples", {})),
-                   "abandoned": {p for p in case["abandoned"] if p in natural(case["plans"])}}
-            for name, case in run.items() if natural(case["plans"])}
+    out = {}
+    for name, case in run.items():
+        plans = {p: ms for p, ms in case["plans"].items() if natural(p)}
+        if plans:
+            out[name] = {**case, "plans": plans, "abandoned": case["abandoned"] & plans.keys(),
+                         "samples": {p: s for p, s in case.get("samples", {}).items() if natural(p)}}
+    return out
 
 
 def timing_methods(run: dict[str, dict]) -> set[str]:
