@@ -33,6 +33,10 @@ the stock processors do and, instead of asking ``dispatch_attention_fn`` for dif
 - the sparsifier needs the whole video after the all-to-all (tiles span the whole token grid, and
   the tile permutation needs every token), which happens *inside* the backend call there.
 
+The all-to-alls run on the copy engines where every rank is on one host with peer access
+(``tessera_diffusers.peer_exchange``; no SM is taken from the attention kernels), NCCL's
+``all_to_all_single`` elsewhere (``Ulysses(transport=...)``, ``TESSERA_ULYSSES_TRANSPORT``).
+
 So the processor does: per-token projections, QK norms and RoPE on its ``S / N`` raster tokens (all
 heads; the RoPE tables come split by the ``_cp_plan``), all-to-all to ``[B, S, H / N, D]``, tile
 permutation, the sparsifier's mask for its heads (a mask over all heads is sliced), Tessera with the
@@ -52,6 +56,7 @@ with no accelerator); the CPU tests and ``cp_scaling.py --smoke`` give it a coun
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +67,7 @@ import torch.distributed as dist
 
 from .errors import InvalidArgumentError, MaskError, TesseraError, describe_tensor
 from .mask import LogicalMask
+from .peer_exchange import CopyEngineAllToAll, PeerExchangeError, copy_engine_unavailable
 from .plans import PhysicalPlan
 from .runtime import Runtime
 
@@ -71,11 +77,17 @@ if TYPE_CHECKING:
 
 
 # Head chunks per rank of the pipelined exchange. On 2 x H200 (NV18), Wan2.1 720p attention with
-# the mask reused: 2 chunks 0.792 efficiency, 4 chunks 0.768, 1 chunk 0.752 (NCCL on a
-# high-priority stream: 0.812 / 0.794), and with the mask recomputed 0.815 against 0.755
-# (benchmarks/results/h200x2_cp_scaling_pipelined). More chunks expose less traffic but slow the
-# kernels the transfers run beside, and each chunk's kernel has its own tail.
+# the mask reused, over copy engines: 2 chunks 0.872 efficiency, 1 chunk 0.842, 4 chunks 0.782 (over
+# NCCL in the same runs 0.771 / 0.737 / 0.697; benchmarks/results/h200x2_cp_scaling_copy_engine).
+# More chunks expose less traffic at the start and end, but each chunk's kernel has its own tail and
+# the token permutations between chunks cannot overlap a kernel that holds every SM.
 DEFAULT_HEAD_CHUNKS = 2
+
+# How the all-to-alls move: "copy_engine" (peer-mapped buffers pulled by the copy engines, one host;
+# tessera_diffusers.peer_exchange), "nccl" (all_to_all_single) or "auto" (copy engines where every
+# rank can use them, else NCCL). TESSERA_ULYSSES_TRANSPORT sets the default.
+TRANSPORTS = ("auto", "copy_engine", "nccl")
+TRANSPORT_ENV = "TESSERA_ULYSSES_TRANSPORT"
 
 
 class ContextParallelError(TesseraError):
@@ -89,6 +101,10 @@ class Ulysses:
         group: the process group of the Ulysses dimension (``None``: the default group).
         chunks: the most head chunks a rank's attention is pipelined in (see ``head_chunks``); 1
             exchanges all heads at once.
+        transport: how the all-to-alls move (``TRANSPORTS``): ``"copy_engine"`` (copy engines pulling
+            from peer-mapped buffers, ranks of one host), ``"nccl"``, or ``"auto"`` (copy engines
+            where every rank can use them, else NCCL; ``transport_note`` says why not). Default: the
+            ``TESSERA_ULYSSES_TRANSPORT`` environment variable, else ``"auto"``.
 
     Rank ``r`` of ``N`` holds tokens ``[r * S/N, (r + 1) * S/N)`` outside attention and heads
     ``[r * H/N, (r + 1) * H/N)`` inside it. Slices of a mask are kept per source mask object, so
@@ -100,22 +116,33 @@ class Ulysses:
     chunk's attention is that of its heads alone, so the result is the unpipelined one.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, chunks: int = DEFAULT_HEAD_CHUNKS):
-        if not dist.is_available() or not dist.is_initialized():
-            raise ContextParallelError("torch.distributed is not initialised (call init_process_group first)")
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, chunks: int = DEFAULT_HEAD_CHUNKS, transport: str | None = None
+    ):
+        source = "transport" if transport is not None else TRANSPORT_ENV
+        transport = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")
+        if transport not in TRANSPORTS:
+            raise InvalidArgumentError(source, f"one of {', '.join(TRANSPORTS)}", repr(transport))
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise InvalidArgumentError("chunks", "an int >= 1", repr(chunks))
+        if not dist.is_available() or not dist.is_initialized():
+            raise ContextParallelError("torch.distributed is not initialised (call init_process_group first)")
         self.group = group
         self.chunks = chunks
+        self.transport = transport
         self.degree = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._pack_streams: dict[int, torch.cuda.Stream] = {}
+        self._engines: dict[int, CopyEngineAllToAll | None] = {}
+        self.transport_note: str | None = None  # why "auto" fell back to NCCL
         self._slices: weakref.WeakKeyDictionary[LogicalMask, dict[tuple[int, int], LogicalMask]] = (
             weakref.WeakKeyDictionary()
         )
 
     @classmethod
-    def from_parallel_config(cls, config: Any, chunks: int = DEFAULT_HEAD_CHUNKS) -> Ulysses | None:
+    def from_parallel_config(
+        cls, config: Any, chunks: int = DEFAULT_HEAD_CHUNKS, transport: str | None = None
+    ) -> Ulysses | None:
         """The Ulysses group of a diffusers ``ParallelConfig`` / ``ContextParallelConfig`` (set up by
         ``enable_parallelism``); ``None`` without context parallelism. Raises ``ContextParallelError``
         for what Tessera cannot run (ring attention, ``ulysses_anything``)."""
@@ -147,7 +174,7 @@ class Ulysses:
                 "ContextParallelConfig: expected a config set up by transformer.enable_parallelism(...) "
                 "(it builds the device mesh), got one without a ulysses mesh"
             )
-        ulysses = cls(mesh.get_group(), chunks)
+        ulysses = cls(mesh.get_group(), chunks, transport)
         if ulysses.degree != degree:
             raise ContextParallelError(
                 f"ulysses mesh: expected {degree} ranks (ulysses_degree), got a group of {ulysses.degree}"
@@ -231,23 +258,39 @@ class Ulysses:
         chunks of several tensors interleave when called chunk by chunk (``scatter_interleaved``)."""
         return [pending for (pending,) in self.scatter_interleaved((x,), chunks)]
 
-    def scatter_interleaved(self, tensors: Sequence[torch.Tensor], chunks: int) -> list[list[PendingExchange]]:
+    def scatter_interleaved(
+        self, tensors: Sequence[torch.Tensor], chunks: int, defer_later: bool = False
+    ) -> list[list[PendingExchange]]:
         """``scatter_head_chunks`` of several tensors, issued chunk by chunk (``q_0, k_0, v_0, q_1, ...``)
-        so that chunk 0 of every tensor arrives first. Returns ``[chunk][tensor]``."""
+        so that chunk 0 of every tensor arrives first. Returns ``[chunk][tensor]``.
+
+        ``defer_later``: the copy engines take chunks after the first when the caller waits for them
+        or calls ``flush()`` (made now, so they see the tensors as they are now): the host queues the
+        first chunk's attention sooner. The caller must wait for or flush every exchange."""
         for i, t in enumerate(tensors):
             check_4d(f"tensors[{i}]", t)
             start, stop = self.head_range(t.shape[2])
             if (stop - start) % chunks:
                 raise InvalidArgumentError("chunks", f"a divisor of this rank's {stop - start} heads", chunks)
-        return [[self.exchange_chunk(t, c, chunks) for t in tensors] for c in range(chunks)]
+        return [[self.exchange_chunk(t, c, chunks, defer=defer_later and c > 0) for t in tensors] for c in range(chunks)]
 
-    def exchange_chunk(self, x: torch.Tensor, chunk: int, chunks: int) -> PendingExchange:
-        """Head chunk ``chunk`` of every rank's heads of ``x [B, S/N, H, D]``, all-to-all'd to ``[B, S, h, D]``."""
+    def flush(self) -> None:
+        """Launch every deferred exchange (``scatter_interleaved(defer_later=True)``)."""
+        for engine in self._engines.values():
+            if engine is not None:
+                engine.flush()
+
+    def exchange_chunk(self, x: torch.Tensor, chunk: int, chunks: int, defer: bool = False) -> PendingExchange:
+        """Head chunk ``chunk`` of every rank's heads of ``x [B, S/N, H, D]``, all-to-all'd to ``[B, S, h, D]``
+        (``defer``: see ``scatter_interleaved``; NCCL exchanges are never deferred)."""
         if self.degree == 1 and chunks == 1:
             return PendingExchange(x, x, None, 1)
         n, heads = self.degree, x.shape[2]
         # [B, S/N, N, C, h, D] -> piece j = rank j's heads of the chunk -> [N, B, S/N, h, D]
         pieces = x.unflatten(2, (n, chunks, heads // (n * chunks)))[:, :, :, chunk].movedim(2, 0)
+        engine = self.copy_engine(x.device)
+        if engine is not None:  # packs and pulls on the engine's own streams
+            return PendingExchange(pieces, *engine.all_to_all(pieces, defer=defer), 1)
         send = torch.empty(pieces.shape, dtype=x.dtype, device=x.device)  # on the caller's stream
         recv = torch.empty_like(send) if n > 1 else None
         side = self.pack_stream(x.device)
@@ -303,10 +346,40 @@ class Ulysses:
         if self.degree == 1:
             return PendingExchange(x, x, None, gather_dim)
         n = self.degree
-        send = x.unflatten(scatter_dim, (n, x.shape[scatter_dim] // n)).movedim(scatter_dim, 0).contiguous()
+        pieces = x.unflatten(scatter_dim, (n, x.shape[scatter_dim] // n)).movedim(scatter_dim, 0)
+        return self.all_to_all(pieces, gather_dim)
+
+    def all_to_all(self, pieces: torch.Tensor, gather_dim: int, into: torch.Tensor | None = None) -> PendingExchange:
+        """Piece ``j`` of ``pieces [N, ...]`` to rank ``j`` (copy engines or NCCL), not awaited. ``into``
+        (``[N, ...]``, any strides): where the copy engines may deliver the pieces directly
+        (``PendingExchange.delivered``); NCCL receives into a buffer of its own."""
+        engine = self.copy_engine(pieces.device)
+        if engine is not None:
+            return PendingExchange(pieces, *engine.all_to_all(pieces, out=into), gather_dim, into is not None)
+        send = pieces.contiguous()
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         return PendingExchange(send, recv, work, gather_dim)
+
+    def copy_engine(self, device: torch.device) -> CopyEngineAllToAll | None:
+        """The copy-engine exchange of ``device`` (None: NCCL). Chosen at the first exchange on a
+        device, by every rank together: ``"auto"`` takes it where every rank is on one host with peer
+        access, ``"copy_engine"`` raises ``PeerExchangeError`` where it cannot run."""
+        if self.transport == "nccl" or self.degree == 1 or device.type != "cuda":
+            if self.transport == "copy_engine" and self.degree > 1 and device.type != "cuda":
+                raise PeerExchangeError(f"transport='copy_engine': tensors on {device}, not a CUDA device")
+            return None
+        if device.index not in self._engines:
+            reason = copy_engine_unavailable(self.group, device)
+            if reason is not None and self.transport == "copy_engine":
+                raise PeerExchangeError(f"transport='copy_engine' cannot run: {reason}")
+            self.transport_note = reason
+            self._engines[device.index] = None if reason else CopyEngineAllToAll(self.group, device)
+        return self._engines[device.index]
+
+    def transport_in_use(self, device: torch.device) -> str:
+        """``"copy_engine"`` or ``"nccl"``: what exchanges on ``device`` use (decides it if not yet)."""
+        return "nccl" if self.copy_engine(device) is None else "copy_engine"
 
     def __repr__(self) -> str:
         return f"Ulysses(rank={self.rank}, degree={self.degree})"
@@ -322,6 +395,7 @@ class PendingExchange:
     recv: torch.Tensor  # [N, ...] piece j from rank j
     work: Any  # torch.distributed Work, None without a transfer (degree 1)
     gather_dim: int
+    delivered: bool = False  # recv is the destination the caller asked for (``Ulysses.all_to_all(into=)``)
 
     def wait(self) -> torch.Tensor:
         if self.work is None:
@@ -358,13 +432,17 @@ class HeadChunkGather:
             )
         self.sent.add(chunk)
         self.unpack_ready()
-        send = x.unflatten(1, (n, seq // n)).movedim(1, 0).contiguous()  # a view at B = 1
+        pieces = x.unflatten(1, (n, seq // n)).movedim(1, 0)  # contiguous at B = 1
         if n == 1:
-            self.in_flight.append((chunk, PendingExchange(send, send, None, 0)))
+            self.in_flight.append((chunk, PendingExchange(pieces, pieces, None, 0)))
             return
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.ulysses.group, async_op=True)
-        self.in_flight.append((chunk, PendingExchange(send, recv, work, 0)))
+        # Copy engines deliver every rank's piece straight into its heads of the output.
+        self.in_flight.append((chunk, self.ulysses.all_to_all(pieces, 0, into=self.target(chunk).movedim(2, 0))))
+
+    def target(self, chunk: int) -> torch.Tensor:
+        """``[B, S/N, N, h, D]``: the output's heads of chunk ``chunk``, for each rank ``j`` (out heads
+        are ordered (rank j, chunk c, head i))."""
+        return self.out.unflatten(2, (self.ulysses.degree, self.chunks, -1))[:, :, :, chunk]
 
     def unpack_ready(self, keep: int = 1) -> None:
         """Unpack all but the newest ``keep`` chunks in flight (their transfers were queued earlier)."""
@@ -372,10 +450,8 @@ class HeadChunkGather:
             chunk, pending = self.in_flight.pop(0)
             if pending.work is not None:
                 pending.work.wait()
-            n = self.ulysses.degree
-            # out heads = (rank j, chunk c, head i); recv[j] = rank j's heads of chunk c.
-            target = self.out.unflatten(2, (n, self.chunks, -1))[:, :, :, chunk]  # [B, S/N, N, h, D]
-            target.copy_(pending.recv.movedim(0, 2))
+            if not pending.delivered:  # recv[j] = rank j's heads of chunk c
+                self.target(chunk).copy_(pending.recv.movedim(0, 2))
 
     def result(self) -> torch.Tensor:
         """``[B, S/N, H, D]`` once every chunk was sent."""
@@ -585,8 +661,8 @@ def layout_attention(
     heads = query.shape[2]
     chunks = ulysses.head_chunks(heads)
     keep = keep or (lambda m: m)
-    if mask is not None:  # -> [B, S, h, D] per chunk, raster order
-        incoming = ulysses.scatter_interleaved((query, key, value), chunks)
+    if mask is not None:  # -> [B, S, h, D] per chunk, raster order; later chunks launched after the first attention
+        incoming = ulysses.scatter_interleaved((query, key, value), chunks, defer_later=True)
     elif make_mask is None:
         raise InvalidArgumentError("make_mask", "a callable when no mask is given", None)
     elif separable and chunks > 1:  # the sparsifier on each head chunk as it arrives
@@ -614,6 +690,7 @@ def layout_attention(
             out = dense(q_c, k_c, v_c)
         else:
             out = attend(c, q_c, k_c, v_c, ulysses.chunk_mask(local, c, chunks))
+        ulysses.flush()  # the later chunks travel while this one is attended
         back.send(c, layout.to_raster(out))
     return back.result()
 

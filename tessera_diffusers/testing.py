@@ -1,4 +1,5 @@
-"""Helpers for tests and checks: random masks with the awkward cases, and the accuracy criterion.
+"""Helpers for tests and checks: random masks with the awkward cases, the accuracy criterion, and
+the launcher of multi-process tests.
 
 The criterion: a kernel's max error against the fp32 oracle must be at most twice the error of a
 same-precision PyTorch run (the oracle with probabilities and output rounded to the kernel's dtype)
@@ -8,7 +9,13 @@ plus a small absolute tolerance; log-sum-exp must match to fp32 accuracy, -inf e
 from __future__ import annotations
 
 import math
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -163,3 +170,44 @@ def metadata_difference(got, want) -> str | None:
             where = torch.nonzero(a != b)[0].tolist()
             return f"{name} differs first at {where}: {a[tuple(where)].item()} != {b[tuple(where)].item()}"
     return None
+
+
+# ---------------------------------------------------------------------------- multi-process tests
+def free_port() -> int:
+    """A free TCP port on the loopback address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    script: Path, world: int, args: Sequence[str], *, env: dict[str, str], timeout: float
+) -> list[subprocess.CompletedProcess]:
+    """Run ``python script --rank R --world N --init tcp://127.0.0.1:PORT *args`` for every rank at
+    once (``env``, with this checkout first on ``PYTHONPATH``); every process is killed and
+    ``TimeoutError`` raised if they outlive ``timeout`` seconds together."""
+    env = dict(env)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), "--rank", str(r), "--world", str(world), "--init", init, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+        raise TimeoutError(f"{Path(script).name}: {world} ranks did not finish within {timeout} s") from None
+    return results

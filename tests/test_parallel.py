@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from tessera_diffusers.processors import TesseraProcessor
 import tessera_diffusers
 from tessera_diffusers import TesseraError
 from tessera_diffusers.parallel import ContextParallelError, Ulysses
+from tessera_diffusers.testing import run_ranks
 
 WORKER = Path(__file__).with_name("test_parallel_worker.py")
 PACKAGE_ROOT = Path(tessera_diffusers.__file__).resolve().parents[1]
@@ -46,53 +46,13 @@ TIMEOUT_S = 120  # both ranks together; they need about 10 s on two cores
 EXACT = 1e-5  # fp32 on the CPU: the same per-row arithmetic in both runs
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(out: Path, cases: str) -> list[subprocess.CompletedProcess]:
-    """Run both ranks; kill them (by process) if they outlive ``TIMEOUT_S``."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    env["OMP_NUM_THREADS"] = "1"
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                "--rank",
-                str(r),
-                "--world",
-                str(WORLD),
-                "--init",
-                init,
-                "--cases",
-                cases,
-                "--out",
-                str(out),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    results = []
+    """Run both ranks; kill them if they outlive ``TIMEOUT_S``."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
-        pytest.fail(f"context-parallel workers did not finish within {TIMEOUT_S} s")
-    return results
+        return run_ranks(WORKER, WORLD, ["--cases", cases, "--out", str(out)], env=env, timeout=TIMEOUT_S)
+    except TimeoutError as error:
+        pytest.fail(str(error))
 
 
 @pytest.fixture(scope="module")
