@@ -4,7 +4,7 @@ Wan2.1-14B text-to-video at 720p (81 frames): 21 x 45 x 80 = 75,600 video tokens
 bf16, batch 1; the SSTA-style sparsifier of ``diffusion_loop.py`` (6 x 8 x 8 tiles, a 1 x 3 x 3
 tile window, top-k tuned to ``--density`` of the block pairs).
 
-    torchrun --nproc-per-node 2 benchmarks/cp_scaling.py --out DIR            # 2 GPUs (H200), NCCL
+    torchrun --nproc-per-node 2 benchmarks/cp_scaling.py --out DIR            # 2 GPUs (H200)
     torchrun --nproc-per-node 2 benchmarks/cp_scaling.py --out DIR --smoke    # CPU, gloo, tiny shapes
 
 NVLink multicast is never used: ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
@@ -24,6 +24,9 @@ Part 2, transformer (``--layers`` blocks of Wan2.1-14B, random weights identical
 ``TesseraProcessor`` attached): one forward at 720p on rank 0 alone, then on all ranks after
 diffusers' ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))``; the gathered
 outputs are compared.
+
+Every N-GPU row runs once per ``--transports`` entry (``auto``: copy engines on one host, else
+NCCL; ``copy_engine``; ``nccl``), so the transports are compared in the same run.
 
 Scaling efficiency = ``T_1 / (N * T_N)`` with ``T_N`` the slowest rank (median over ``--reps``
 repetitions, ranks aligned by a barrier before each). Writes ``cp_scaling.json`` and
@@ -56,7 +59,7 @@ import torch.distributed as dist
 
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
-from tessera_diffusers.parallel import DEFAULT_HEAD_CHUNKS, Ulysses, layout_attention
+from tessera_diffusers.parallel import DEFAULT_HEAD_CHUNKS, TRANSPORTS, Ulysses, layout_attention
 from tessera_diffusers.runtime import Runtime
 from tessera_diffusers.sparsifiers import LatentGrid, SSTASparsifier, top_k_for_block_density
 
@@ -265,53 +268,63 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
         )  # fmt: skip
 
     reps, warmup = args.reps, args.warmup
-    report: dict = {"mask_density": mask.density(), "mask": repr(mask).split("\n")[0], "chunks": {}}
+    report: dict = {"mask_density": mask.density(), "mask": repr(mask).split("\n")[0], "runs": {}}
     with torch.inference_mode():
         for variant, recompute in (("mask_reused", False), ("mask_recomputed", True)):
             # every GPU alone on the whole problem (rank 0's time is T_1; the others show the spread)
             runtime_1 = Runtime()
             t1 = time_ms(lambda r=recompute, rt=runtime_1: one_gpu(r, rt), setup, reps, warmup, aligned=False)
             barrier(setup)
-            for chunks in args.chunks:
-                ulysses_c, runtime_n = Ulysses(chunks=chunks), Runtime()
-                name = variant if chunks == args.chunks[0] else f"{variant}_chunks{chunks}"
-                report["chunks"][name] = ulysses_c.head_chunks(heads)
-                tn = time_ms(
-                    lambda r=recompute, rt=runtime_n, u=ulysses_c: n_gpus(r, rt, u), setup, reps, warmup, aligned=True
-                )
-                report[name] = scaling(t1, tn, setup).as_dict()
-                row = report[name]
-                print0(
-                    setup,
-                    f"[attention/{name}] 1 GPU {row['t1_ms']:.2f} ms (every GPU: "
-                    f"{', '.join(f'{t:.2f}' for t in row['t1_per_rank_ms'])}), {world} GPUs {row['tn_ms']:.2f} ms, "
-                    f"efficiency {row['efficiency']:.3f}",
-                )
+            for transport in args.transports:
+                for chunks in args.chunks:
+                    ulysses_c, runtime_n = Ulysses(chunks=chunks, transport=transport), Runtime()
+                    headline = (transport, chunks) == (args.transports[0], args.chunks[0])
+                    name = variant if headline else f"{variant}_{transport}_chunks{chunks}"
+                    report["runs"][name] = {
+                        "variant": variant,
+                        "chunks": ulysses_c.head_chunks(heads),
+                        "transport": ulysses_c.transport_in_use(setup.device),
+                    }
+                    tn = time_ms(
+                        lambda r=recompute, rt=runtime_n, u=ulysses_c: n_gpus(r, rt, u),
+                        setup, reps, warmup, aligned=True,
+                    )  # fmt: skip
+                    report[name] = scaling(t1, tn, setup).as_dict()
+                    row = report[name]
+                    print0(
+                        setup,
+                        f"[attention/{name}] 1 GPU {row['t1_ms']:.2f} ms (every GPU: "
+                        f"{', '.join(f'{t:.2f}' for t in row['t1_per_rank_ms'])}), {world} GPUs "
+                        f"{row['tn_ms']:.2f} ms, efficiency {row['efficiency']:.3f}",
+                    )
 
-        # Parts alone: the all-to-alls, and the kernel on all heads / on this rank's heads.
+        # Parts alone: the all-to-alls (per transport), and the kernel on all heads / on this rank's heads.
         out_like = torch.empty(
             1, problem.tokens, heads // world, problem.head_dim, device=setup.device, dtype=problem.dtype
         )
-        a2a = time_ms(
-            lambda: (ulysses.scatter_heads(q_loc, k_loc, v_loc), ulysses.gather_heads(out_like)),
-            setup,
-            reps,
-            warmup,
-            aligned=True,
-        )
+        report["all_to_all_ms"] = {}
+        for transport in args.transports:
+            u = Ulysses(chunks=1, transport=transport)
+            a2a = time_ms(
+                lambda u=u: (u.scatter_heads(q_loc, k_loc, v_loc), u.gather_heads(out_like)),
+                setup, reps, warmup, aligned=True,
+            )  # fmt: skip
+            report["all_to_all_ms"][u.transport_in_use(setup.device)] = reduce_float(a2a, dist.ReduceOp.MAX, setup)
         ql_n, kl_n, vl_n = (layout.to_layout(t) for t in ulysses.scatter_heads(q_loc, k_loc, v_loc))
         runtime_n = Runtime()
         kernel_n = time_ms(lambda: runtime_n.attention(ql_n, kl_n, vl_n, local), setup, reps, warmup, aligned=True)
         kernel_1 = time_whole_kernel(layout, q, k, v, mask, setup, reps, warmup)
         barrier(setup)
         report["kernel"] = scaling(kernel_1, kernel_n, setup).as_dict()
-        report["all_to_all_ms"] = reduce_float(a2a, dist.ReduceOp.MAX, setup)
 
         # The N-GPU output against the 1-GPU output (mask reused: the same mask, the same heads).
-        out_n = gather_sequence(n_gpus(False, Runtime(), Ulysses(chunks=args.chunks[0])))
-        if setup.rank == 0:
-            out_1 = one_gpu(False, Runtime())
-            report["max_abs_diff"], report["rel_l2"] = max_abs_diff(out_n, out_1), rel_l2(out_n, out_1)
+        out_1 = one_gpu(False, Runtime()) if setup.rank == 0 else None
+        report["outputs"] = {}
+        for transport in args.transports:
+            out_n = gather_sequence(n_gpus(False, Runtime(), Ulysses(chunks=args.chunks[0], transport=transport)))
+            if setup.rank == 0:
+                report["outputs"][transport] = {"max_abs_diff": max_abs_diff(out_n, out_1), "rel_l2": rel_l2(out_n, out_1)}
+            del out_n
         barrier(setup)
     return report
 
@@ -378,20 +391,27 @@ def bench_transformer(sparsifier: SSTASparsifier, setup: Setup, args) -> dict:
         barrier(setup)
         processor.reset()
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=setup.world))
-        if processor.ulysses is None or processor.ulysses.degree != setup.world:
-            raise RuntimeError(f"TesseraProcessor did not take the context-parallel config: {processor.ulysses!r}")
-        tn = time_ms(forward, setup, args.reps, args.warmup, aligned=True)
-        out_n = forward()  # gathered by the model's _cp_plan (proj_out)
-        report["forward"] = scaling(t1, tn, setup).as_dict()
-        if setup.rank == 0:
-            report["max_abs_diff"], report["rel_l2"] = max_abs_diff(out_n, out_1), rel_l2(out_n, out_1)
+        taken = processor.ulysses
+        if taken is None or taken.degree != setup.world:
+            raise RuntimeError(f"TesseraProcessor did not take the context-parallel config: {taken!r}")
+        for i, transport in enumerate(args.transports):
+            # the processor's Ulysses group with this transport (the first is the headline row)
+            processor.ulysses = Ulysses(taken.group, taken.chunks, transport)
+            tn = time_ms(forward, setup, args.reps, args.warmup, aligned=True)
+            out_n = forward()  # gathered by the model's _cp_plan (proj_out)
+            name = "forward" if i == 0 else f"forward_{transport}"
+            report[name] = scaling(t1, tn, setup).as_dict()
+            report[name]["transport"] = processor.ulysses.transport_in_use(setup.device)
+            if setup.rank == 0:
+                report[name]["max_abs_diff"] = max_abs_diff(out_n, out_1)
+                report[name]["rel_l2"] = rel_l2(out_n, out_1)
+            print0(
+                setup,
+                f"[transformer/{transport}] forward 1 GPU {report[name]['t1_ms']:.1f} ms, {setup.world} GPUs "
+                f"{report[name]['tn_ms']:.1f} ms, efficiency {report[name]['efficiency']:.3f}",
+            )
         report["processor"] = processor.stats() if setup.rank == 0 else None
         barrier(setup)
-    print0(
-        setup,
-        f"[transformer] forward 1 GPU {report['forward']['t1_ms']:.1f} ms, {setup.world} GPUs "
-        f"{report['forward']['tn_ms']:.1f} ms, efficiency {report['forward']['efficiency']:.3f}",
-    )
     return report
 
 
@@ -434,20 +454,23 @@ def write_reports(out: Path, report: dict) -> None:
         "|---|---|---|---|---|---|",
     ]
     attention = report.get("attention") or {}
+    transformer = report.get("transformer") or {}
     what = {
         "mask_reused": "attention, mask reused (all-to-alls + permutations + Tessera)",
         "mask_recomputed": "attention, mask recomputed (+ sparsifier + plan)",
     }
     rows = [
-        (f"{what[key.split('_chunks')[0]]}, {chunks} head chunk{'s' * (chunks > 1)}", attention.get(key))
-        for key, chunks in (attention.get("chunks") or {}).items()
-    ]
-    rows += [
-        (f"Tessera kernel alone ({heads} heads vs {heads // world} heads)", attention.get("kernel")),
         (
-            f"transformer forward ({(report.get('transformer') or {}).get('layers')} layers)",
-            (report.get("transformer") or {}).get("forward"),
-        ),
+            f"{what[run['variant']]}, {run['chunks']} head chunk{'s' * (run['chunks'] > 1)}, {run['transport']}",
+            attention.get(key),
+        )
+        for key, run in (attention.get("runs") or {}).items()
+    ]
+    rows.append((f"Tessera kernel alone ({heads} heads vs {heads // world} heads)", attention.get("kernel")))
+    rows += [
+        (f"transformer forward ({transformer.get('layers')} layers), {row.get('transport')}", row)
+        for key, row in transformer.items()
+        if key.startswith("forward")
     ]
     for name, row in rows:
         if row:
@@ -464,19 +487,22 @@ def write_reports(out: Path, report: dict) -> None:
             f"whole problem per GPU: {', '.join(f'{t:.2f}' for t in kernel['t1_per_rank_ms'])} ms; "
             f"its heads per rank: {', '.join(f'{t:.2f}' for t in kernel['tn_per_rank_ms'])} ms."
         )
+        a2a = ", ".join(f"{transport} {ms:.2f} ms" for transport, ms in attention["all_to_all_ms"].items())
         lines.append(
-            f"- All-to-alls alone (q, k, v out and the output back), slowest rank: {attention['all_to_all_ms']:.2f} ms; "
+            f"- All-to-alls alone (q, k, v out and the output back, one head chunk), slowest rank: {a2a}; "
             f"mask density {attention['mask_density']:.3f}."
         )
-        lines.append(
-            f"- N-GPU vs 1-GPU attention output: max |diff| {attention['max_abs_diff']:.3g}, "
-            f"relative L2 {attention['rel_l2']:.3g}."
-        )
-    if report.get("transformer"):
-        t = report["transformer"]
-        lines.append(
-            f"- N-GPU vs 1-GPU transformer output: max |diff| {t['max_abs_diff']:.3g}, relative L2 {t['rel_l2']:.3g}."
-        )
+        for transport, diff in attention["outputs"].items():
+            lines.append(
+                f"- N-GPU ({transport}) vs 1-GPU attention output: max |diff| {diff['max_abs_diff']:.3g}, "
+                f"relative L2 {diff['rel_l2']:.3g}."
+            )
+    for key, row in transformer.items():
+        if key.startswith("forward") and "max_abs_diff" in row:
+            lines.append(
+                f"- N-GPU ({row['transport']}) vs 1-GPU transformer output: max |diff| {row['max_abs_diff']:.3g}, "
+                f"relative L2 {row['rel_l2']:.3g}."
+            )
     (out / "cp_scaling.md").write_text("\n".join(lines) + "\n")
 
 
@@ -494,6 +520,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="head chunks of the pipelined exchange, comma-separated; the first is the headline, 1 = unpipelined",
     )
     parser.add_argument(
+        "--transports",
+        default="auto,nccl",
+        help="Ulysses transports, comma-separated (auto, copy_engine, nccl); the first is the headline",
+    )
+    parser.add_argument(
         "--nccl-high-priority", action="store_true", help="NCCL on a high-priority stream (ProcessGroupNCCL.Options)"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, gloo on the CPU")
@@ -507,6 +538,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise InvalidArgumentError("--chunks", "comma-separated ints >= 1", args.chunks) from None
     if not args.chunks or min(args.chunks) < 1:
         raise InvalidArgumentError("--chunks", "comma-separated ints >= 1", args.chunks)
+    args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if not args.transports or set(args.transports) - set(TRANSPORTS):
+        raise InvalidArgumentError("--transports", f"comma-separated names out of {', '.join(TRANSPORTS)}", args.transports)
     unknown = set(args.parts) - {"attention", "transformer"}
     if unknown:
         raise InvalidArgumentError("--parts", "attention and/or transformer", sorted(unknown))

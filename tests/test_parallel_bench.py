@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from tessera_diffusers.processors import TesseraProcessor
 
 import tessera_diffusers
+from tessera_diffusers.testing import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cp_scaling.py"
 PACKAGE_ROOT = Path(tessera_diffusers.__file__).resolve().parents[1]
@@ -28,12 +28,6 @@ pytestmark = pytest.mark.skipif(
     reason=f"mixed install: tessera_diffusers from {PACKAGE_ROOT} but its processors from {PROCESSORS_ROOT} "
     "(a stale editable install; run pip install -e . in the checkout under test)",
 )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cp_scaling_smoke(tmp_path):
@@ -73,8 +67,14 @@ def test_cp_scaling_smoke(tmp_path):
         assert math.isfinite(row["efficiency"]) and row["efficiency"] > 0
         assert row["tn_min_ms"] <= row["tn_ms"]
         assert row["efficiency"] == pytest.approx(row["t1_ms"] / (2 * row["tn_ms"]))
-    assert attention["max_abs_diff"] <= 1e-5 and attention["rel_l2"] <= 1e-6
-    assert transformer["max_abs_diff"] <= 1e-5 and transformer["rel_l2"] <= 1e-6
+    # both requested transports ran; on the CPU "auto" is the torch.distributed collective (gloo)
+    assert set(attention["outputs"]) == {"auto", "nccl"}
+    assert {run["transport"] for run in attention["runs"].values()} == {"nccl"}
+    assert set(attention["all_to_all_ms"]) == {"nccl"}
+    for diff in attention["outputs"].values():
+        assert diff["max_abs_diff"] <= 1e-5 and diff["rel_l2"] <= 1e-6
+    for forward in (transformer["forward"], transformer["forward_nccl"]):
+        assert forward["max_abs_diff"] <= 1e-5 and forward["rel_l2"] <= 1e-6
     assert 0 < attention["mask_density"] < 1
     assert transformer["processor"]["sparse_calls"] > 0
     assert "| attention, mask reused" in markdown and "efficiency" in markdown
