@@ -28,6 +28,10 @@ outputs are compared.
 Every N-GPU row runs once per ``--transports`` entry (``auto``: copy engines on one host, else
 NCCL; ``copy_engine``; ``nccl``), so the transports are compared in the same run.
 
+``--timeline`` adds, per transport, the marks of one N-GPU attention call (mask reused): each
+permutation, each chunk's attention queued and done, the end; GPU times from CUDA events on the
+caller's stream, host times beside them (a host mark after the GPU's previous one: the GPU waited).
+
 Scaling efficiency = ``T_1 / (N * T_N)`` with ``T_N`` the slowest rank (median over ``--reps``
 repetitions, ranks aligned by a barrier before each). Writes ``cp_scaling.json`` and
 ``cp_scaling.md`` under ``--out`` (rank 0).
@@ -298,6 +302,15 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
                         f"{row['tn_ms']:.2f} ms, efficiency {row['efficiency']:.3f}",
                     )
 
+        if args.timeline:  # where the N-GPU call's time goes, per transport (headline chunks, mask reused)
+            def reused(attend, layout_, u):
+                return layout_attention(u, q_loc, k_loc, v_loc, layout_, attend, mask=local)
+
+            report["timeline"] = {}
+            for transport in args.transports:
+                u = Ulysses(chunks=args.chunks[0], transport=transport)
+                report["timeline"][transport] = attention_timeline(reused, layout, u, setup, reps, warmup)
+
         # Parts alone: the all-to-alls (per transport), and the kernel on all heads / on this rank's heads.
         out_like = torch.empty(
             1, problem.tokens, heads // world, problem.head_dim, device=setup.device, dtype=problem.dtype
@@ -327,6 +340,62 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
             del out_n
         barrier(setup)
     return report
+
+
+class MarkedLayout:
+    """A layout whose permutations mark the timeline (``attention_timeline``)."""
+
+    def __init__(self, layout, mark: Callable[[str], None]):
+        self.layout, self.mark, self.inputs, self.outputs = layout, mark, 0, 0
+
+    def to_layout(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layout.to_layout(x)
+        self.mark(f"input {self.inputs} permuted")
+        self.inputs += 1
+        return out
+
+    def to_raster(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layout.to_raster(x)
+        self.mark(f"output {self.outputs} permuted")
+        self.outputs += 1
+        return out
+
+
+def attention_timeline(call, layout, ulysses: Ulysses, setup: Setup, reps: int, warmup: int) -> list[dict]:
+    """Median times of the marks of one N-GPU attention call (``call(attend, layout, ulysses)``):
+    on the GPU (CUDA events on the caller's stream, from the call's start) and on the host (from
+    the call's start; a host mark later than the GPU's previous one means the GPU waited for the host)."""
+    runtime, cuda = Runtime(), setup.device.type == "cuda"
+    runs: list[list[tuple[str, torch.cuda.Event | None, float]]] = []
+    for i in range(warmup + reps):
+        marks: list[tuple[str, torch.cuda.Event | None, float]] = []
+
+        def mark(label: str, marks=marks) -> None:
+            event = torch.cuda.Event(enable_timing=True) if cuda else None  # on the CPU: host times only
+            if event is not None:
+                event.record()
+            marks.append((label, event, time.perf_counter()))
+
+        def attend(chunk, qc, kc, vc, m, mark=mark):
+            mark(f"attention {chunk} queued")
+            out = runtime.attention(qc, kc, vc, m)
+            mark(f"attention {chunk} done")
+            return out
+
+        barrier(setup)
+        sync(setup.device)
+        mark("start")
+        call(attend, MarkedLayout(layout, mark), ulysses)
+        mark("end")
+        sync(setup.device)
+        if i >= warmup:
+            runs.append(marks)
+    rows = []
+    for j, (label, _, _) in enumerate(runs[0]):
+        host = statistics.median((r[j][2] - r[0][2]) * 1e3 for r in runs)
+        gpu = statistics.median(r[0][1].elapsed_time(r[j][1]) for r in runs) if cuda else host
+        rows.append({"mark": label, "gpu_ms": gpu, "host_ms": host})
+    return rows
 
 
 def time_whole_kernel(layout, q, k, v, mask: LogicalMask, setup: Setup, reps: int, warmup: int) -> float:
@@ -497,6 +566,10 @@ def write_reports(out: Path, report: dict) -> None:
                 f"- N-GPU ({transport}) vs 1-GPU attention output: max |diff| {diff['max_abs_diff']:.3g}, "
                 f"relative L2 {diff['rel_l2']:.3g}."
             )
+    for transport, rows in (attention.get("timeline") or {}).items():
+        lines += ["", f"Timeline of one N-GPU attention call, {transport} (rank 0, medians, ms from the call's start):", ""]
+        lines += ["| mark | GPU | host |", "|---|---|---|"]
+        lines += [f"| {r['mark']} | {r['gpu_ms']:.3f} | {r['host_ms']:.3f} |" for r in rows]
     for key, row in transformer.items():
         if key.startswith("forward") and "max_abs_diff" in row:
             lines.append(
@@ -526,6 +599,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--nccl-high-priority", action="store_true", help="NCCL on a high-priority stream (ProcessGroupNCCL.Options)"
+    )
+    parser.add_argument(
+        "--timeline", action="store_true", help="marks of one N-GPU attention call per transport (CUDA only)"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, gloo on the CPU")
     args = parser.parse_args(argv)

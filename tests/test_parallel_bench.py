@@ -39,7 +39,7 @@ def test_cp_scaling_smoke(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(SCRIPT), "--smoke", "--out", str(tmp_path),
+        str(SCRIPT), "--smoke", "--timeline", "--out", str(tmp_path),
     ]  # fmt: skip
     # A session of its own, so that torchrun and its workers can be ended together on a timeout.
     proc = subprocess.Popen(
@@ -76,5 +76,15 @@ def test_cp_scaling_smoke(tmp_path):
     for forward in (transformer["forward"], transformer["forward_nccl"]):
         assert forward["max_abs_diff"] <= 1e-5 and forward["rel_l2"] <= 1e-6
     assert 0 < attention["mask_density"] < 1
+    # the timeline: every mark of a 2-chunk call (1 head per rank in the smoke: 1 chunk), in order
+    for rows in attention["timeline"].values():
+        marks = [r["mark"] for r in rows]
+        chunks = attention["runs"]["mask_reused"]["chunks"]
+        assert marks[0] == "start" and marks[-1] == "end"
+        assert sum(m.startswith("attention") and m.endswith("done") for m in marks) == chunks
+        assert sum(m.startswith("input") for m in marks) == 3 * chunks  # q, k, v permuted per chunk
+        times = [r["host_ms"] for r in rows]
+        assert times == sorted(times)
+    assert "Timeline of one N-GPU attention call" in markdown
     assert transformer["processor"]["sparse_calls"] > 0
     assert "| attention, mask reused" in markdown and "efficiency" in markdown
