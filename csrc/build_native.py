@@ -222,17 +222,59 @@ def build_native_library(
         raise RuntimeError(f"link failed:\n{' '.join(link)}\n{proc.stderr[-4000:]}")
     with open(os.path.join(build_dir, "ptxas.log"), "w") as f:
         f.write("\n".join(ptxas_logs))
+    nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     manifest = {
         "abi_version": abi_version(),
         "archs": archs,
         "kernels": [r.name for r in rows],
         "kernel_table_hash": hashlib.sha256("\n".join(r.name for r in rows).encode()).hexdigest()[:16],
-        "nvcc": subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
+        "kernel_sources": kernel_sources_hash(
+            [os.path.join(HERE, "include"), os.path.join(HERE, "kernels")],
+            {r.name: instantiation_source(r) for r in rows},
+            [portable_flags, hopper_flags],
+            [nvcc_version, cutlass_version()],
+        ),
+        "nvcc": nvcc_version,
     }
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     log(f"tessera: built {lib}", 2)
     return lib
+
+
+def kernel_sources_hash(
+    source_dirs: list[str], generated: dict[str, str], flag_sets: list[list[str]], tools: list[str]
+) -> str:
+    """What the compiled kernels are made of, as one short hash: every file under ``source_dirs``
+    (relative names and bytes), the generated instantiations, the nvcc flags (include paths left
+    out: they name this machine) and the tool versions. A plan table profiled on a library with
+    another hash ranked other kernels (``PlanTable.sources_mismatch``)."""
+    digest = hashlib.sha256()
+    for top in source_dirs:
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames.sort()
+            for name in sorted(filenames):
+                path = os.path.join(dirpath, name)
+                digest.update(os.path.relpath(path, os.path.dirname(top)).encode() + b"\0")
+                with open(path, "rb") as f:
+                    digest.update(f.read() + b"\0")
+    for name, text in sorted(generated.items()):
+        digest.update(f"{name}\0{text}\0".encode())
+    for flags in flag_sets:
+        digest.update(" ".join(f for f in flags if not f.startswith("-I")).encode() + b"\0")
+    for tool in tools:
+        digest.update(f"{tool}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def cutlass_version() -> str:
+    """The installed ``nvidia-cutlass`` (the CuTe headers of the Hopper family), or "none"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"nvidia-cutlass {version('nvidia-cutlass')}"
+    except PackageNotFoundError:
+        return "none"
 
 
 def abi_version() -> int:

@@ -147,6 +147,15 @@ def available_kernels() -> tuple[KernelSpec, ...]:
     return tuple(kernel_spec_from_row(rows[name]) for name in lib.kernel_ids)
 
 
+def kernel_sources() -> str | None:
+    """The loaded library's ``kernel_sources`` hash (its manifest; ``csrc/build_native.py``), or
+    None when no library loads or its manifest predates the hash."""
+    try:
+        return load_library().manifest.get("kernel_sources")
+    except CatalogError:
+        return None
+
+
 def native_available() -> bool:
     try:
         load_library()

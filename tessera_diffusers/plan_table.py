@@ -29,7 +29,11 @@ File format (JSON, no pickles)::
                                   "plan_rule": <rule>, "calibration": [[<plan>, <scale>], ...],
                                   "schedules": [{"stat": "density", "le": 0.075, "below": <plan>,
                                                  "above": <plan>, "cases": [n_below, n_above]}]}]}}}},
-       "provenance": {...}}}
+       "provenance": {"built_at": ..., "cases": n, "records": [...],
+                      "kernel_sources": [<the profiled libraries' manifest hashes>], ...}}}
+
+``provenance.kernel_sources`` (absent in tables from older records) lets the selector tell a table
+profiled on other kernel code than the loaded library's (``sources_mismatch``): warned, still used.
 
 A regime's *schedule rules* (optional) choose the task organization of one tile group — plans that
 share geometry, KV layout and kernel tile (``tile_group``) and differ only in traversal, split-K,
@@ -307,6 +311,25 @@ class PlanTable:
             "re-profile with `tessera profile` or rebuild the matching kernels")
         object.__setattr__(self, "_last_catalog_check", (kernels, mismatch))
         return mismatch
+
+    def sources_mismatch(self, library: str | None) -> str | None:
+        """Why this table's rankings may be stale for the loaded library, or None: the profile ran
+        on kernels built from other sources (``provenance["kernel_sources"]``, the libraries'
+        ``kernel_sources`` hashes) than ``library`` was. The catalog hash cannot see this (it names
+        tile shapes, not code). Unknown on either side (older tables and libraries): None."""
+        profiled = self.provenance.get("kernel_sources")
+        if not library or not profiled:
+            return None
+        profiled = sorted({profiled} if isinstance(profiled, str) else set(profiled))
+        if profiled == [library]:
+            return None
+        advice = "re-profile with `tessera profile` after changing the kernels"
+        if library in profiled:
+            others = [h for h in profiled if h != library]
+            return (f"part of plan table {self.name} was profiled on kernels built from other sources "
+                    f"({', '.join(others)}) than the loaded library ({library}); {advice}")
+        return (f"plan table {self.name} was profiled on kernels built from sources {', '.join(profiled)}, "
+                f"the loaded library from {library}: its rankings may be stale; {advice}")
 
     def to_dict(self) -> dict:
         """The artifact (with format, schema version and checksum), ready for ``json.dump``."""

@@ -51,6 +51,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
+from typing import Any
 
 from .catalog import all_kernels, plans_for
 from .cost_model import PlanEstimator
@@ -106,6 +107,7 @@ class ArchContext:
     kernels_note: str | None  # why there are no native kernels
     table: PlanTable | None
     table_note: str | None  # why a table exists but is not used
+    stale_note: str | None = None  # the table is used, but was profiled on kernels of other sources
 
 
 @dataclass
@@ -148,6 +150,23 @@ def library_kernels() -> tuple[KernelSpec, ...]:
     from . import ops  # the native library is loaded on first native use only
 
     return ops.available_kernels()
+
+
+def arch_device(arch: str) -> str:
+    """The device kind of a request architecture (``"cpu"`` or ``"cuda"``)."""
+    return "cpu" if arch == "cpu" else "cuda"
+
+
+def library_kernel_sources(device: Any = None) -> str | None:
+    """The ``kernel_sources`` hash of the native library (``ops.kernel_sources``): None for a
+    non-CUDA ``device`` (a ``torch.device`` or its string), without a library, or for a library
+    built before the hash existed."""
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    if device is not None and kind != "cuda":
+        return None
+    from . import ops
+
+    return ops.kernel_sources()
 
 
 @lru_cache(maxsize=256)
@@ -323,7 +342,12 @@ class Selector:
         table, table_note = self._table_for(arch, kernels, kernels_note)
         if table_note is not None:
             (warn or warn_user)(f"tessera: {table_note}")
-        ctx = ArchContext(kernels, kernels_note, table, table_note)
+        stale_note = None
+        if table is not None and self.kernels is None:  # kernels of the loaded library
+            stale_note = table.sources_mismatch(library_kernel_sources(arch_device(arch)))
+            if stale_note is not None:
+                (warn or warn_user)(f"tessera: {stale_note}")
+        ctx = ArchContext(kernels, kernels_note, table, table_note, stale_note)
         self._arch[arch] = ctx
         return ctx
 
@@ -354,6 +378,8 @@ class Selector:
         notes: list[str] = []
         if ctx.table_note:
             notes.append("plan table rejected (see the warning): cost model")
+        if ctx.stale_note:
+            notes.append(f"plan table possibly stale: {ctx.stale_note}")
         regimes: tuple[Regime, ...] = ()
         tree = None
         plans: Mapping = {}

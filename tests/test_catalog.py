@@ -109,6 +109,35 @@ def test_cost_model_picks_the_query_tile_by_the_union_of_neighbouring_rows(shift
     assert best.tile_q == tile_q
 
 
+def build_native_module():
+    spec = importlib.util.spec_from_file_location("tessera_build_native", os.path.join(ROOT, "csrc", "build_native.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_sources_hash_sees_code_flags_and_tools_not_paths(tmp_path):
+    build = build_native_module()
+    src = tmp_path / "include"
+    (src / "tessera").mkdir(parents=True)
+    (src / "tessera" / "mainloop.cuh").write_text("// v1\n")
+
+    def digest(flags=("-O3", "-I/here"), tools=("nvcc 13.0",), generated=None):
+        return build.kernel_sources_hash([str(src)], generated or {"k": "instantiate<64>"}, [list(flags)], list(tools))
+
+    base = digest()
+    assert len(base) == 16 and base == digest()
+    assert digest(flags=("-O3", "-I/elsewhere")) == base  # include paths name the machine, not the code
+    assert digest(flags=("-O3", "-DTESSERA_HOPPER_TAKE_AHEAD=0", "-I/here")) != base
+    assert digest(tools=("nvcc 13.1",)) != base
+    assert digest(generated={"k": "instantiate<128>"}) != base
+    (src / "tessera" / "mainloop.cuh").write_text("// v2\n")
+    assert digest() != base
+    (src / "tessera" / "mainloop.cuh").write_text("// v1\n")
+    (src / "tessera" / "epilogue.cuh").write_text("")
+    assert digest() != base  # a new file counts
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_native_smoke_subset_compiles_and_links(tmp_path):
     """Build breaks cannot land: compile and link two catalog entries (one per dtype) for sm90."""
@@ -122,6 +151,7 @@ def test_native_smoke_subset_compiles_and_links(tmp_path):
     log = (tmp_path / "b" / "ptxas.log").read_text()
     assert "bytes spill stores" in log
     manifest = json.loads((tmp_path / "lib" / "manifest.json").read_text())
+    assert len(manifest["kernel_sources"]) == 16  # what a plan table's profile is checked against
     if importlib.util.find_spec("cutlass_library") is not None:  # the Hopper family builds with CuTe headers
         hopper = [name for name in manifest["kernels"] if name.startswith("hopper_")]
         assert len(hopper) == 2, manifest["kernels"]

@@ -282,3 +282,30 @@ def test_read_records_reads_gzipped_files_and_skips_torn_lines(tmp_path):
     skipped: list = []
     assert list(read_records([packed], skipped)) == list(read_records([plain])) == [json.loads(lines[0]), json.loads(lines[2])]
     assert skipped == ["{not json\n"]
+
+
+def test_kernel_sources_of_the_profiled_library_reach_the_table(tmp_path, monkeypatch):
+    """The library's kernel_sources hash goes into the run's catalog record, and from there into the
+    table's provenance; records of two libraries built from different sources are flagged."""
+    from tessera_diffusers.profile import runner
+
+    monkeypatch.setattr(runner, "library_kernel_sources", lambda device=None: "src-one")
+    config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), max_cases=1, progress=False,
+                          interleave=False)
+    run_profile(config, measure=injected, log=lambda m: None)
+    assert [r["kernel_sources"] for r in records(tmp_path) if r["type"] == "catalog"] == ["src-one"]
+    profile = load_profile([tmp_path / RECORDS_FILE])
+    assert profile.kernel_sources == ("src-one",)
+    table, _ = compile_table(profile)
+    assert table.provenance["kernel_sources"] == ["src-one"]
+    assert table.sources_mismatch("src-one") is None
+
+    monkeypatch.setattr(runner, "library_kernel_sources", lambda device=None: "src-two")
+    run_profile(ProfileConfig(**{**config.__dict__, "max_cases": 2, "sources": ("sliding_tile", "temporal_heads")}),
+                measure=injected, log=lambda m: None)
+    profile = load_profile([tmp_path / RECORDS_FILE])
+    assert profile.kernel_sources == ("src-one", "src-two")
+    assert any("2 different sources" in note for note in profile.notes)
+    table, _ = compile_table(profile)
+    assert "part of plan table" in table.sources_mismatch("src-two")
+    assert "may be stale" in table.sources_mismatch("src-three")

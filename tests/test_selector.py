@@ -132,6 +132,44 @@ def test_mismatched_catalog_warns_once_and_uses_the_cost_model(table):
     assert selection.source == "cost model" and "rejected" in selection.notes[0]
 
 
+@pytest.mark.parametrize(
+    ("profiled", "library", "stale"),
+    [
+        (["aaaa"], "bbbb", True),  # profiled on other kernel sources
+        (["aaaa", "bbbb"], "bbbb", True),  # partly
+        (["bbbb"], "bbbb", False),
+        (["aaaa"], None, False),  # a library built before the hash: unknown
+        (None, "bbbb", False),  # a table compiled before the hash: unknown
+    ],
+)
+def test_table_profiled_on_other_kernel_sources_warns_once_and_is_still_used(table, monkeypatch, profiled, library,
+                                                                            stale):
+    """The catalog hash names tile shapes, not code: a table profiled on kernels built from other
+    sources passes it. The selector then warns (once) and still ranks with the table."""
+    import dataclasses
+    from types import MappingProxyType
+
+    import tessera_diffusers.selector as selector_module
+
+    provenance = {k: v for k, v in table.provenance.items() if k != "kernel_sources"}
+    if profiled is not None:
+        provenance["kernel_sources"] = profiled
+    stamped = dataclasses.replace(table, provenance=MappingProxyType(provenance))
+    monkeypatch.setattr(selector_module, "library_kernels", portable_kernels)  # as if loaded from a library
+    monkeypatch.setattr(selector_module, "library_kernel_sources", lambda device=None: library)
+    messages: list[str] = []
+    selector = Selector(table=stamped)
+    for seed in range(3):
+        assert selector.select(REQUEST, state_with_density(0.05, seed=seed), warn=messages.append) == SPLIT4
+    selection = selector.selection(REQUEST, state_with_density(0.05))
+    assert selection.source == "plan table"
+    if stale:
+        assert len(messages) == 1 and "re-profile" in messages[0] and library in messages[0]
+        assert any("possibly stale" in note for note in selection.notes)
+    else:
+        assert messages == [] and not any("stale" in note for note in selection.notes)
+
+
 def test_corrupt_table_from_the_environment_warns_and_falls_back(table, tmp_path, monkeypatch):
     data = table.to_dict()
     data["table"]["keys"][REQUEST.key]["base_plan"] = SPLIT4.name  # edited by hand: checksum fails

@@ -103,6 +103,7 @@ class Profile:
     cases: tuple[ProfiledCase, ...]
     plans: Mapping[str, PhysicalPlan]
     notes: tuple[str, ...] = ()
+    kernel_sources: tuple[str, ...] = ()  # the profiled libraries' source hashes (older records: none)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
     skipped: list = []
     held_out = 0
     catalogs: dict[str, tuple[KernelSpec, ...]] = {}
+    sources: dict[str, set[str]] = defaultdict(set)  # kernel_sources hashes per catalog hash
     case_records: dict[str, dict] = {}
     latencies: dict[str, dict[str, float]] = defaultdict(dict)
     specs: dict[str, dict] = {}
@@ -183,6 +185,8 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
         kind = record.get("type")
         if kind == "catalog":
             catalogs[record["catalog_hash"]] = tuple(kernel_from_dict(k) for k in record["kernels"])
+            if record.get("kernel_sources"):
+                sources[record["catalog_hash"]].add(str(record["kernel_sources"]))
         elif kind == "case":
             if record.get("split", "profiling") != "profiling":
                 held_out += 1  # evaluation-split cases judge tables; they never train one
@@ -238,7 +242,11 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
     if unknown:
         raise PlanTableError(f"records lack the spec of plans {unknown[:3]} (a records file cut at its start?)")
     plans = {name: plan_from_dict(specs[name]) for name in sorted(named)}
-    return Profile(arch, chosen_hash, catalogs[chosen_hash], tuple(cases), MappingProxyType(plans), tuple(notes))
+    if len(sources[chosen_hash]) > 1:
+        notes.append(f"the records were profiled on kernels built from {len(sources[chosen_hash])} different "
+                     f"sources ({', '.join(sorted(sources[chosen_hash]))}): their times may not compare")
+    return Profile(arch, chosen_hash, catalogs[chosen_hash], tuple(cases), MappingProxyType(plans), tuple(notes),
+                   tuple(sorted(sources[chosen_hash])))
 
 
 # -- the compiler --------------------------------------------------------------------------------
@@ -287,6 +295,7 @@ def compile_table(profile: Profile, options: CompileOptions = CompileOptions(),
         "min_leaf": options.min_leaf,
         "max_depth": options.max_depth,
         "folds": options.folds,
+        **({"kernel_sources": list(profile.kernel_sources)} if profile.kernel_sources else {}),
         **(provenance or {}),
     }
     table = PlanTable(profile.arch, profile.catalog_hash, profile.kernels, schema,

@@ -56,6 +56,7 @@ from ..plan_table import kernel_to_dict, plan_to_dict
 from ..plans import KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization, with_grouped_layouts
 from ..prepare import PreparedPlan, prepare
 from ..runtime import execute
+from ..selector import library_kernel_sources
 from .config import ProfileConfig
 from .records import RECORDS_FILE, Progress, append_record, load_progress, request_to_dict
 
@@ -353,7 +354,7 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
         log(f"{path} holds {'/'.join(sorted(progress.methods - {method}))} timings and this run times {method}: "
             "their times are not comparable, profile into a new --out (or pass --fresh, or match the method)")
     kernels = profiling_kernels(device)
-    catalog = {"catalog_hash": catalog_hash(kernels)}
+    catalog = {"catalog_hash": catalog_hash(kernels), "kernel_sources": library_kernel_sources(device)}
     others = progress.catalogs - {catalog["catalog_hash"]}
     if others:
         log(f"{path} holds measurements of other kernel catalogs {sorted(others)}: plans measured then count as "
