@@ -51,7 +51,7 @@ MULTICAST_OFF_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 HEADER_BYTES = 4096  # the signal words: ready[j] at word j, done[j] at word MAX_RANKS + j
 MAX_RANKS = 512
-STAGING_ALIGN = 16 << 20  # staging halves grow in steps of 16 MiB
+STAGING_ALIGN = 16 << 20  # staging areas grow in steps of 16 MiB
 STAGING_SLOTS = 4  # staging areas in turn: q, k and v of a head chunk are packed while the last is pulled
 MIN_ROW_BYTES = 512  # shorter rows go to a copy kernel (a copy engine moves short rows slowly)
 
@@ -168,7 +168,8 @@ def check_driver(call: str, status: int) -> None:
 
 @functools.cache
 def stream_memory_ops() -> StreamMemoryOps:
-    """The driver's ``cuStreamWaitValue32_v2`` / ``cuStreamWriteValue32_v2`` (raises if absent)."""
+    """The driver's ``cuStreamWaitValue32_v2``, ``cuStreamWriteValue32_v2``, ``cuMemcpyAsync`` and
+    ``cuMemcpy2DAsync_v2`` (``PeerExchangeError`` if absent)."""
     try:
         driver = ctypes.CDLL("libcuda.so.1")
         wait, write = driver.cuStreamWaitValue32_v2, driver.cuStreamWriteValue32_v2
@@ -245,7 +246,8 @@ class CopyEngineAllToAll:
         self.rank = dist.get_rank(group)
         self.degree = dist.get_world_size(group)
         self.ops = stream_memory_ops()
-        # High priority: the packs and the own-piece copies go before queued attention blocks.
+        # High priority: where a copy falls back to a kernel (rows under MIN_ROW_BYTES), its blocks go
+        # before queued attention blocks.
         self.pack_stream = torch.cuda.Stream(device, priority=-1)
         self.transfer_stream = torch.cuda.Stream(device, priority=-1)
         self.local_stream = torch.cuda.Stream(device, priority=-1)
