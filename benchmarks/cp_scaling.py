@@ -601,7 +601,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--nccl-high-priority", action="store_true", help="NCCL on a high-priority stream (ProcessGroupNCCL.Options)"
     )
     parser.add_argument(
-        "--timeline", action="store_true", help="marks of one N-GPU attention call per transport (CUDA only)"
+        "--timeline", action="store_true", help="marks of one N-GPU attention call per transport (on the CPU: host times only)"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, gloo on the CPU")
     args = parser.parse_args(argv)

@@ -365,9 +365,9 @@ class Ulysses:
         """The copy-engine exchange of ``device`` (None: NCCL). Chosen at the first exchange on a
         device, by every rank together: ``"auto"`` takes it where every rank is on one host with peer
         access, ``"copy_engine"`` raises ``PeerExchangeError`` where it cannot run."""
+        if self.transport == "copy_engine" and self.degree > 1 and device.type != "cuda":
+            raise PeerExchangeError(f"transport='copy_engine': tensors on {device}, not a CUDA device")
         if self.transport == "nccl" or self.degree == 1 or device.type != "cuda":
-            if self.transport == "copy_engine" and self.degree > 1 and device.type != "cuda":
-                raise PeerExchangeError(f"transport='copy_engine': tensors on {device}, not a CUDA device")
             return None
         if device.index not in self._engines:
             reason = copy_engine_unavailable(self.group, device)

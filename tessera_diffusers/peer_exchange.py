@@ -290,7 +290,6 @@ class CopyEngineAllToAll:
             )
         dist.barrier(group=self.group, device_ids=[self.device.index])  # every header zeroed
         self.buffer, self.handle, self.area_bytes, self.seq = buffer, handle, area, 0
-        self.views = {}
         self.header_ptrs = [h.data_ptr() for h in headers]
 
     def word(self, rank: int, index: int) -> int:
@@ -383,8 +382,8 @@ class CopyEngineAllToAll:
         rows = self.rows.get(key, False)
         if rows is False:
             rows = self.rows[key] = copy_rows(dst, src)
-        if rows is not None and rows.height == 1 and rows.width == dst.numel() * dst.element_size():
-            self.ops.copy_1d(stream, dst, src, rows.width)  # both contiguous
+        if rows is not None and rows.height == 1:  # one row: both contiguous
+            self.ops.copy_1d(stream, dst, src, rows.width)
         elif rows is not None and rows.width >= MIN_ROW_BYTES:
             self.ops.copy_2d(stream, dst, src, rows)
         else:  # a copy kernel

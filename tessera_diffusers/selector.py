@@ -51,7 +51,6 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
-from typing import Any
 
 from .catalog import all_kernels, plans_for
 from .cost_model import PlanEstimator
@@ -152,17 +151,10 @@ def library_kernels() -> tuple[KernelSpec, ...]:
     return ops.available_kernels()
 
 
-def arch_device(arch: str) -> str:
-    """The device kind of a request architecture (``"cpu"`` or ``"cuda"``)."""
-    return "cpu" if arch == "cpu" else "cuda"
-
-
-def library_kernel_sources(device: Any = None) -> str | None:
-    """The ``kernel_sources`` hash of the native library (``ops.kernel_sources``): None for a
-    non-CUDA ``device`` (a ``torch.device`` or its string), without a library, or for a library
-    built before the hash existed."""
-    kind = getattr(device, "type", None) or str(device).split(":")[0]
-    if device is not None and kind != "cuda":
+def library_kernel_sources(cuda: bool = True) -> str | None:
+    """The ``kernel_sources`` hash of the native library (``ops.kernel_sources``): None off CUDA
+    (``cuda`` False), without a library, or for a library built before the hash existed."""
+    if not cuda:
         return None
     from . import ops
 
@@ -344,7 +336,7 @@ class Selector:
             (warn or warn_user)(f"tessera: {table_note}")
         stale_note = None
         if table is not None and self.kernels is None:  # kernels of the loaded library
-            stale_note = table.sources_mismatch(library_kernel_sources(arch_device(arch)))
+            stale_note = table.sources_mismatch(library_kernel_sources(arch != "cpu"))
             if stale_note is not None:
                 (warn or warn_user)(f"tessera: {stale_note}")
         ctx = ArchContext(kernels, kernels_note, table, table_note, stale_note)

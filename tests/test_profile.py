@@ -289,7 +289,7 @@ def test_kernel_sources_of_the_profiled_library_reach_the_table(tmp_path, monkey
     table's provenance; records of two libraries built from different sources are flagged."""
     from tessera_diffusers.profile import runner
 
-    monkeypatch.setattr(runner, "library_kernel_sources", lambda device=None: "src-one")
+    monkeypatch.setattr(runner, "library_kernel_sources", lambda cuda=True: "src-one")
     config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), max_cases=1, progress=False,
                           interleave=False)
     run_profile(config, measure=injected, log=lambda m: None)
@@ -300,7 +300,7 @@ def test_kernel_sources_of_the_profiled_library_reach_the_table(tmp_path, monkey
     assert table.provenance["kernel_sources"] == ["src-one"]
     assert table.sources_mismatch("src-one") is None
 
-    monkeypatch.setattr(runner, "library_kernel_sources", lambda device=None: "src-two")
+    monkeypatch.setattr(runner, "library_kernel_sources", lambda cuda=True: "src-two")
     run_profile(ProfileConfig(**{**config.__dict__, "max_cases": 2, "sources": ("sliding_tile", "temporal_heads")}),
                 measure=injected, log=lambda m: None)
     profile = load_profile([tmp_path / RECORDS_FILE])
