@@ -162,6 +162,7 @@ class StreamMemoryOps:
 
 
 def check_driver(call: str, status: int) -> None:
+    """Raise ``PeerExchangeError`` for a driver ``call`` that returned a nonzero ``CUresult``."""
     if status != 0:
         raise PeerExchangeError(f"{call} failed with CUresult {status}")
 
@@ -211,6 +212,8 @@ def copy_engine_unavailable(group: dist.ProcessGroup | None, device: torch.devic
 
 
 def local_reason(device: torch.device, degree: int) -> str | None:
+    """This rank's reason the copy-engine exchange cannot run (no GPU, multicast not off, too many
+    ranks, no symmetric memory or driver entries), or None; ``copy_engine_unavailable`` joins them."""
     if device.type != "cuda":
         return f"tensors on {device}, not a CUDA device"
     if os.environ.get(MULTICAST_OFF_ENV, "1") != "1":
