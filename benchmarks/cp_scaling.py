@@ -28,7 +28,7 @@ outputs are compared.
 Every N-GPU row runs once per ``--transports`` entry (``auto``: copy engines on one host, else
 NCCL; ``copy_engine``; ``nccl``), so the transports are compared in the same run.
 
-``--timeline`` adds, per transport, the marks of one N-GPU attention call (mask reused): each
+``--timeline`` adds, per transport and chunk count, the marks of one N-GPU attention call (mask reused): each
 permutation, each chunk's attention queued and done, the end; GPU times from CUDA events on the
 caller's stream, host times beside them (a host mark after the GPU's previous one: the GPU waited).
 
@@ -283,10 +283,10 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
                 for chunks in args.chunks:
                     ulysses_c, runtime_n = Ulysses(chunks=chunks, transport=transport), Runtime()
                     headline = (transport, chunks) == (args.transports[0], args.chunks[0])
-                    name = variant if headline else f"{variant}_{transport}_chunks{chunks}"
+                    name = variant if headline else f"{variant}_{transport}_chunks{chunk_label(chunks)}"
                     report["runs"][name] = {
                         "variant": variant,
-                        "chunks": ulysses_c.head_chunks(heads),
+                        **chunk_record(ulysses_c, heads),
                         "transport": ulysses_c.transport_in_use(setup.device),
                     }
                     tn = time_ms(
@@ -302,14 +302,19 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
                         f"{row['tn_ms']:.2f} ms, efficiency {row['efficiency']:.3f}",
                     )
 
-        if args.timeline:  # where the N-GPU call's time goes, per transport (headline chunks, mask reused)
+        if args.timeline:  # where the N-GPU call's time goes, per transport and chunk count (mask reused)
             def reused(attend, layout_, u):
                 return layout_attention(u, q_loc, k_loc, v_loc, layout_, attend, mask=local)
 
             report["timeline"] = {}
             for transport in args.transports:
-                u = Ulysses(chunks=args.chunks[0], transport=transport)
-                report["timeline"][transport] = attention_timeline(reused, layout, u, setup, reps, warmup)
+                for chunks in args.chunks:
+                    u = Ulysses(chunks=chunks, transport=transport)
+                    record = {"transport": u.transport_in_use(setup.device), **chunk_record(u, heads)}
+                    report["timeline"][f"{record['transport']}, {chunks_text(record)}"] = {
+                        **record,
+                        "marks": attention_timeline(reused, layout, u, setup, reps, warmup),
+                    }
 
         # Parts alone: the all-to-alls (per transport), and the kernel on all heads / on this rank's heads.
         out_like = torch.empty(
@@ -340,6 +345,24 @@ def bench_attention(problem: Problem, sparsifier: SSTASparsifier, setup: Setup, 
             del out_n
         barrier(setup)
     return report
+
+
+def chunk_label(chunks: int | tuple[int, ...]) -> str:
+    """``--chunks`` item as written: ``2`` or ``1:4:4:1``."""
+    return ":".join(map(str, chunks)) if isinstance(chunks, tuple) else str(chunks)
+
+
+def chunk_record(ulysses: Ulysses, heads: int) -> dict:
+    """How ``ulysses`` cuts a rank's heads: the chunk count and each chunk's heads."""
+    spans = ulysses.head_spans(heads)
+    return {"chunks": len(spans), "heads_per_chunk": [stop - start for start, stop in spans]}
+
+
+def chunks_text(record: dict) -> str:
+    """``2 head chunks`` or ``4 head chunks (2/8/8/2 heads)``."""
+    n, sizes = record["chunks"], record.get("heads_per_chunk") or []
+    uneven = f" ({'/'.join(map(str, sizes))} heads)" if len(set(sizes)) > 1 else ""
+    return f"{n} head chunk{'s' * (n > 1)}{uneven}"
 
 
 class MarkedLayout:
@@ -530,7 +553,7 @@ def write_reports(out: Path, report: dict) -> None:
     }
     rows = [
         (
-            f"{what[run['variant']]}, {run['chunks']} head chunk{'s' * (run['chunks'] > 1)}, {run['transport']}",
+            f"{what[run['variant']]}, {chunks_text(run)}, {run['transport']}",
             attention.get(key),
         )
         for key, run in (attention.get("runs") or {}).items()
@@ -566,10 +589,10 @@ def write_reports(out: Path, report: dict) -> None:
                 f"- N-GPU ({transport}) vs 1-GPU attention output: max |diff| {diff['max_abs_diff']:.3g}, "
                 f"relative L2 {diff['rel_l2']:.3g}."
             )
-    for transport, rows in (attention.get("timeline") or {}).items():
-        lines += ["", f"Timeline of one N-GPU attention call, {transport} (rank 0, medians, ms from the call's start):", ""]
+    for run, timeline in (attention.get("timeline") or {}).items():
+        lines += ["", f"Timeline of one N-GPU attention call, {run} (rank 0, medians, ms from the call's start):", ""]
         lines += ["| mark | GPU | host |", "|---|---|---|"]
-        lines += [f"| {r['mark']} | {r['gpu_ms']:.3f} | {r['host_ms']:.3f} |" for r in rows]
+        lines += [f"| {r['mark']} | {r['gpu_ms']:.3f} | {r['host_ms']:.3f} |" for r in timeline["marks"]]
     for key, row in transformer.items():
         if key.startswith("forward") and "max_abs_diff" in row:
             lines.append(
@@ -590,7 +613,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--chunks",
         default=f"{DEFAULT_HEAD_CHUNKS},1",
-        help="head chunks of the pipelined exchange, comma-separated; the first is the headline, 1 = unpipelined",
+        help="head chunks of the pipelined exchange, comma-separated: C equal chunks or weights (1:4:4:1, "
+        "chunks of heads in those proportions); the first is the headline, 1 = unpipelined",
     )
     parser.add_argument(
         "--transports",
@@ -601,19 +625,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--nccl-high-priority", action="store_true", help="NCCL on a high-priority stream (ProcessGroupNCCL.Options)"
     )
     parser.add_argument(
-        "--timeline", action="store_true", help="marks of one N-GPU attention call per transport (on the CPU: host times only)"
+        "--timeline", action="store_true", help="marks of one N-GPU attention call per transport and chunk count (on the CPU: host times only)"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, gloo on the CPU")
     args = parser.parse_args(argv)
     args.reps = args.reps if args.reps is not None else (2 if args.smoke else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    expected = "comma-separated ints >= 1 or colon-separated weights (1:4:4:1)"
     try:
-        args.chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
+        args.chunks = [
+            tuple(int(w) for w in c.split(":")) if ":" in c else int(c) for c in args.chunks.split(",") if c.strip()
+        ]
     except ValueError:
-        raise InvalidArgumentError("--chunks", "comma-separated ints >= 1", args.chunks) from None
-    if not args.chunks or min(args.chunks) < 1:
-        raise InvalidArgumentError("--chunks", "comma-separated ints >= 1", args.chunks)
+        raise InvalidArgumentError("--chunks", expected, args.chunks) from None
+    if not args.chunks or min(min(c) if isinstance(c, tuple) else c for c in args.chunks) < 1:
+        raise InvalidArgumentError("--chunks", expected, args.chunks)
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not args.transports or set(args.transports) - set(TRANSPORTS):
         raise InvalidArgumentError("--transports", f"comma-separated names out of {', '.join(TRANSPORTS)}", args.transports)

@@ -56,6 +56,7 @@ with no accelerator); the CPU tests and ``cp_scaling.py --smoke`` give it a coun
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -77,10 +78,10 @@ if TYPE_CHECKING:
 
 
 # Head chunks per rank of the pipelined exchange. On 2 x H200 (NV18), Wan2.1 720p attention with
-# the mask reused, over copy engines: 2 chunks 0.872 efficiency, 1 chunk 0.842, 4 chunks 0.782 (over
-# NCCL in the same runs 0.771 / 0.737 / 0.697; benchmarks/results/h200x2_cp_scaling_copy_engine).
-# More chunks expose less traffic at the start and end, but each chunk's kernel has its own tail and
-# the token permutations between chunks cannot overlap a kernel that holds every SM.
+# the mask reused, over copy engines: 2 chunks 0.905 efficiency, 4 chunks 0.867, 1 chunk 0.859 (NCCL
+# in the same run: 0.776 at 2 chunks; benchmarks/results/h200x2_cp_scaling_local_copies). Chunks of
+# uneven size (weights) lost in every run there. Each chunk's packing copies and token permutations
+# are kernels, which cannot overlap a persistent attention kernel that holds every SM.
 DEFAULT_HEAD_CHUNKS = 2
 
 # How the all-to-alls move: "copy_engine" (peer-mapped buffers pulled by the copy engines, one host;
@@ -99,8 +100,10 @@ class Ulysses:
 
     Args:
         group: the process group of the Ulysses dimension (``None``: the default group).
-        chunks: the most head chunks a rank's attention is pipelined in (see ``head_chunks``); 1
-            exchanges all heads at once.
+        chunks: how a rank's heads are cut into pipelined chunks (``head_spans``): an int ``C``, the
+            most equal chunks (1 exchanges all heads at once), or a sequence of positive weights,
+            chunks of heads in those proportions (e.g. ``(1, 4, 4, 1)``: a small first chunk, whose
+            transfer nothing hides, and a small last one, whose output travels after it).
         transport: how the all-to-alls move (``TRANSPORTS``): ``"copy_engine"`` (copy engines pulling
             from peer-mapped buffers, ranks of one host), ``"nccl"``, or ``"auto"`` (copy engines
             where every rank can use them, else NCCL; ``transport_note`` says why not). Default: the
@@ -110,21 +113,24 @@ class Ulysses:
     ``[r * H/N, (r + 1) * H/N)`` inside it. Slices of a mask are kept per source mask object, so
     the plan prepared for a slice is reused as long as the source mask lives.
 
-    Pipelining: the rank's heads are cut into ``C`` chunks; chunk ``c`` of q, k and v travels in
-    its own all-to-all, so attention of chunk ``c`` runs while chunk ``c + 1`` is in flight and the
-    output of chunk ``c - 1`` travels back (``scatter_head_chunks``, ``HeadChunkGather``). Every
-    chunk's attention is that of its heads alone, so the result is the unpipelined one.
+    Pipelining: the rank's heads are cut into chunks (spans ``[start, stop)`` of its heads); chunk
+    ``c`` of q, k and v travels in its own all-to-all, so attention of chunk ``c`` runs while chunk
+    ``c + 1`` is in flight and the output of chunk ``c - 1`` travels back (``scatter_head_chunks``,
+    ``HeadChunkGather``). Every chunk's attention is that of its heads alone, so the result is the
+    unpipelined one.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, chunks: int = DEFAULT_HEAD_CHUNKS, transport: str | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        chunks: int | Sequence[int] = DEFAULT_HEAD_CHUNKS,
+        transport: str | None = None,
     ):
         source = "transport" if transport is not None else TRANSPORT_ENV
         transport = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(source, f"one of {', '.join(TRANSPORTS)}", repr(transport))
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise InvalidArgumentError("chunks", "an int >= 1", repr(chunks))
+        chunks = check_chunks(chunks)
         if not dist.is_available() or not dist.is_initialized():
             raise ContextParallelError("torch.distributed is not initialised (call init_process_group first)")
         self.group = group
@@ -141,7 +147,7 @@ class Ulysses:
 
     @classmethod
     def from_parallel_config(
-        cls, config: Any, chunks: int = DEFAULT_HEAD_CHUNKS, transport: str | None = None
+        cls, config: Any, chunks: int | Sequence[int] = DEFAULT_HEAD_CHUNKS, transport: str | None = None
     ) -> Ulysses | None:
         """The Ulysses group of a diffusers ``ParallelConfig`` / ``ContextParallelConfig`` (set up by
         ``enable_parallelism``); ``None`` without context parallelism. Raises ``ContextParallelError``
@@ -222,22 +228,57 @@ class Ulysses:
             per_mask[(start, stop)] = part
         return part
 
-    def head_chunks(self, heads: int) -> int:
-        """How many chunks this rank's ``heads / N`` heads of ``heads`` are pipelined in: the largest
-        divisor of ``heads / N`` that is at most ``self.chunks``."""
+    def head_spans(self, heads: int) -> tuple[tuple[int, int], ...]:
+        """The chunks this rank's ``heads / N`` heads of ``heads`` are pipelined in, as ``[start, stop)``
+        of them: for an int ``chunks``, the largest divisor of ``heads / N`` that is at most
+        ``chunks`` equal chunks; for weights, chunks in their proportions (rounded, at least one head
+        each, fewer chunks where there are fewer heads than weights)."""
         start, stop = self.head_range(heads)
         local = stop - start
-        return max(c for c in range(1, min(self.chunks, local) + 1) if local % c == 0)
+        if isinstance(self.chunks, int):
+            count = max(c for c in range(1, min(self.chunks, local) + 1) if local % c == 0)
+            return even_spans(local, count)
+        total, bounds, acc = sum(self.chunks), [0], 0
+        for w in self.chunks:
+            acc += w
+            bound = min(local, max(bounds[-1] + 1, round(acc * local / total)))
+            if bound > bounds[-1]:
+                bounds.append(bound)
+        return tuple(itertools.pairwise(bounds))
 
-    def chunk_mask(self, local: LogicalMask, chunk: int, chunks: int) -> LogicalMask:
-        """The part of this rank's mask (``local``, ``H / N`` heads or 1) for head chunk ``chunk`` of
-        ``chunks``."""
-        if local.heads == 1 or chunks == 1:
+    def head_chunks(self, heads: int) -> int:
+        """How many chunks this rank's ``heads / N`` heads of ``heads`` are pipelined in (``head_spans``)."""
+        return len(self.head_spans(heads))
+
+    def spans(self, local_heads: int, chunks: int | Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        """``chunks`` as spans of a rank's ``local_heads`` heads: ``C`` equal chunks (``C`` must divide
+        them), or spans ``[start, stop)`` that cover them in order."""
+        if isinstance(chunks, int) and not isinstance(chunks, bool):
+            if chunks < 1 or local_heads < chunks or local_heads % chunks:
+                raise InvalidArgumentError("chunks", f"a divisor of this rank's {local_heads} heads", chunks)
+            return even_spans(local_heads, chunks)
+        spans = tuple((int(a), int(b)) for a, b in chunks)
+        if (
+            not spans
+            or spans[0][0] != 0
+            or spans[-1][1] != local_heads
+            or any(a >= b for a, b in spans)
+            or any(spans[i][1] != spans[i + 1][0] for i in range(len(spans) - 1))
+        ):
+            raise InvalidArgumentError(
+                "chunks", f"an int or spans [start, stop) covering this rank's {local_heads} heads in order", chunks
+            )
+        return spans
+
+    def chunk_mask(self, local: LogicalMask, span: tuple[int, int]) -> LogicalMask:
+        """The part of this rank's mask (``local``, ``H / N`` heads or 1) for the head chunk ``span``
+        (``[start, stop)`` of the rank's heads)."""
+        start, stop = span
+        if local.heads == 1:
             return local
-        if local.heads % chunks:
-            raise MaskError("mask head dim", f"a multiple of the {chunks} head chunks", local.heads)
-        per_chunk = local.heads // chunks
-        return self.head_slice(local, chunk * per_chunk, (chunk + 1) * per_chunk)
+        if stop > local.heads:
+            raise MaskError("mask head dim", f"at least the head chunk's end {stop}", local.heads)
+        return self.head_slice(local, start, stop)
 
     # ------------------------------------------------------------------ all-to-all
     def scatter_heads(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -252,27 +293,32 @@ class Ulysses:
             self.head_range(t.shape[2])
         return [self.exchange_async(t, scatter_dim=2, gather_dim=1) for t in tensors]
 
-    def scatter_head_chunks(self, x: torch.Tensor, chunks: int) -> list[PendingExchange]:
-        """``x [B, S/N, H, D]`` -> one exchange per head chunk ``c``, each arriving as ``[B, S, H/(N C), D]``:
-        this rank's heads ``[c H/(N C), (c + 1) H/(N C))`` of its ``H/N``. Issued in chunk order;
-        chunks of several tensors interleave when called chunk by chunk (``scatter_interleaved``)."""
+    def scatter_head_chunks(self, x: torch.Tensor, chunks: int | Sequence[tuple[int, int]]) -> list[PendingExchange]:
+        """``x [B, S/N, H, D]`` -> one exchange per head chunk (``spans``: ``C`` equal chunks or spans
+        ``[start, stop)`` of each rank's ``H/N`` heads), each arriving as ``[B, S, stop - start, D]``:
+        this rank's heads of the chunk. Issued in chunk order; chunks of several tensors interleave
+        when called chunk by chunk (``scatter_interleaved``)."""
         return [pending for (pending,) in self.scatter_interleaved((x,), chunks)]
 
     def scatter_interleaved(
-        self, tensors: Sequence[torch.Tensor], chunks: int, defer_later: bool = False
+        self, tensors: Sequence[torch.Tensor], chunks: int | Sequence[tuple[int, int]], defer_later: bool = False
     ) -> list[list[PendingExchange]]:
         """``scatter_head_chunks`` of several tensors, issued chunk by chunk (``q_0, k_0, v_0, q_1, ...``)
         so that chunk 0 of every tensor arrives first. Returns ``[chunk][tensor]``.
 
-        ``defer_later``: the copy engines take chunks after the first when the caller waits for them
-        or calls ``flush()`` (made now, so they see the tensors as they are now): the host queues the
-        first chunk's attention sooner. The caller must wait for or flush every exchange."""
+        ``defer_later``: the copy engines take chunks after the first when the caller waits for them,
+        launches them (``PendingExchange.launch``) or calls ``flush()`` (made now, so they see the
+        tensors as they are now): the host queues the first chunk's work sooner. The caller must
+        wait for or flush every exchange."""
+        spans = None
         for i, t in enumerate(tensors):
             check_4d(f"tensors[{i}]", t)
             start, stop = self.head_range(t.shape[2])
-            if (stop - start) % chunks:
-                raise InvalidArgumentError("chunks", f"a divisor of this rank's {stop - start} heads", chunks)
-        return [[self.exchange_chunk(t, c, chunks, defer=defer_later and c > 0) for t in tensors] for c in range(chunks)]
+            spans = self.spans(stop - start, chunks)
+        return [
+            [self.exchange_heads(t, span, len(spans) == 1, defer=defer_later and c > 0) for t in tensors]
+            for c, span in enumerate(spans or ())
+        ]
 
     def flush(self) -> None:
         """Launch every deferred exchange (``scatter_interleaved(defer_later=True)``)."""
@@ -280,14 +326,17 @@ class Ulysses:
             if engine is not None:
                 engine.flush()
 
-    def exchange_chunk(self, x: torch.Tensor, chunk: int, chunks: int, defer: bool = False) -> PendingExchange:
-        """Head chunk ``chunk`` of every rank's heads of ``x [B, S/N, H, D]``, all-to-all'd to ``[B, S, h, D]``
-        (``defer``: see ``scatter_interleaved``; NCCL exchanges are never deferred)."""
-        if self.degree == 1 and chunks == 1:
+    def exchange_heads(
+        self, x: torch.Tensor, span: tuple[int, int], whole: bool = False, defer: bool = False
+    ) -> PendingExchange:
+        """Heads ``span`` (``[start, stop)``) of every rank's heads of ``x [B, S/N, H, D]``, all-to-all'd
+        to ``[B, S, stop - start, D]`` (``whole``: the span is all of a rank's heads; ``defer``: see
+        ``scatter_interleaved``; NCCL exchanges are never deferred)."""
+        if self.degree == 1 and whole:
             return PendingExchange(x, x, None, 1)
         n, heads = self.degree, x.shape[2]
-        # [B, S/N, N, C, h, D] -> piece j = rank j's heads of the chunk -> [N, B, S/N, h, D]
-        pieces = x.unflatten(2, (n, chunks, heads // (n * chunks)))[:, :, :, chunk].movedim(2, 0)
+        # [B, S/N, N, H/N, D] -> piece j = rank j's heads of the span -> [N, B, S/N, h, D]
+        pieces = x.unflatten(2, (n, heads // n))[:, :, :, span[0] : span[1]].movedim(2, 0)
         engine = self.copy_engine(x.device)
         if engine is not None:  # packs and pulls on the engine's own streams
             return PendingExchange(pieces, *engine.all_to_all(pieces, defer=defer), 1)
@@ -397,6 +446,12 @@ class PendingExchange:
     gather_dim: int
     delivered: bool = False  # recv is the destination the caller asked for (``Ulysses.all_to_all(into=)``)
 
+    def launch(self) -> None:
+        """Queue a deferred copy-engine exchange now, and the ones made before it (a no-op otherwise)."""
+        launch = getattr(self.work, "launch", None)
+        if launch is not None:
+            launch()
+
     def wait(self) -> torch.Tensor:
         if self.work is None:
             return self.recv
@@ -410,8 +465,11 @@ class HeadChunkGather:
     soon as it is computed (``send``); ``result()`` waits for all and assembles ``[B, S/N, H, D]``
     (every rank's chunks in their head order), unpacking each chunk as soon as the next is sent."""
 
-    def __init__(self, ulysses: Ulysses, chunks: int):
-        self.ulysses, self.chunks = ulysses, chunks
+    def __init__(self, ulysses: Ulysses, chunks: int | Sequence[tuple[int, int]]):
+        """``chunks``: as ``Ulysses.scatter_head_chunks`` takes them (``C`` equal chunks, or spans)."""
+        self.ulysses, self.given = ulysses, chunks
+        self.spans: tuple[tuple[int, int], ...] | None = None  # known at the first send (from its heads)
+        self.chunks = chunks if isinstance(chunks, int) else len(chunks)
         self.out: torch.Tensor | None = None
         self.in_flight: list[tuple[int, PendingExchange]] = []
         self.sent: set[int] = set()
@@ -424,12 +482,17 @@ class HeadChunkGather:
             raise InvalidArgumentError("x", f"a sequence divisible by the Ulysses degree {n}", seq)
         if not 0 <= chunk < self.chunks or chunk in self.sent:
             raise InvalidArgumentError("chunk", f"a chunk in [0, {self.chunks}) not sent yet", chunk)
+        if self.spans is None:  # equal chunks: the rank's heads from this one's
+            local = self.chunks * per_chunk if isinstance(self.given, int) else self.given[-1][1]
+            self.spans = self.ulysses.spans(local, self.given)
+        start, stop = self.spans[chunk]
         if self.out is None:
-            self.out = x.new_empty(b, seq // n, n * self.chunks * per_chunk, d)
-        elif self.out.shape[2] != n * self.chunks * per_chunk or self.out.shape[0] != b:
+            self.out = x.new_empty(b, seq // n, n * self.spans[-1][1], d)
+        if per_chunk != stop - start or self.out.shape[0] != b or self.out.shape[3] != d:
             raise InvalidArgumentError(
-                "x", f"[{b}, {seq}, {self.out.shape[2] // (n * self.chunks)}, {d}] like the chunks before", tuple(x.shape)
-            )
+                "x", f"[{self.out.shape[0]}, {seq}, {stop - start}, {self.out.shape[3]}] (chunk {chunk}'s heads)",
+                tuple(x.shape),
+            )  # fmt: skip
         self.sent.add(chunk)
         self.unpack_ready()
         pieces = x.unflatten(1, (n, seq // n)).movedim(1, 0)  # contiguous at B = 1
@@ -441,8 +504,9 @@ class HeadChunkGather:
 
     def target(self, chunk: int) -> torch.Tensor:
         """``[B, S/N, N, h, D]``: the output's heads of chunk ``chunk``, for each rank ``j`` (out heads
-        are ordered (rank j, chunk c, head i))."""
-        return self.out.unflatten(2, (self.ulysses.degree, self.chunks, -1))[:, :, :, chunk]
+        are ordered (rank j, head of its chunk))."""
+        start, stop = self.spans[chunk]
+        return self.out.unflatten(2, (self.ulysses.degree, -1))[:, :, :, start:stop]
 
     def unpack_ready(self, keep: int = 1) -> None:
         """Unpack all but the newest ``keep`` chunks in flight (their transfers were queued earlier)."""
@@ -460,6 +524,25 @@ class HeadChunkGather:
             raise InvalidArgumentError("HeadChunkGather", f"all {self.chunks} chunks sent", f"chunks {missing} missing")
         self.unpack_ready(keep=0)
         return self.out
+
+
+def even_spans(heads: int, count: int) -> tuple[tuple[int, int], ...]:
+    """``count`` equal spans ``[start, stop)`` of ``heads`` heads (``count`` divides ``heads``)."""
+    size = heads // count
+    return tuple((c * size, (c + 1) * size) for c in range(count))
+
+
+def check_chunks(chunks: Any) -> int | tuple[int, ...]:
+    """``Ulysses``' ``chunks``: an int >= 1 or a non-empty sequence of positive int weights."""
+    if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
+        return chunks
+    if (
+        isinstance(chunks, (tuple, list))
+        and chunks
+        and all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in chunks)
+    ):
+        return tuple(chunks)
+    raise InvalidArgumentError("chunks", "an int >= 1 or a sequence of positive int weights", repr(chunks))
 
 
 def check_4d(name: str, t: Any) -> None:
@@ -604,7 +687,7 @@ def pipelined_video_attention(
     ulysses: Ulysses = processor.ulysses
     batch, heads = query.shape[0], query.shape[2] // ulysses.degree
     slot = processor.kept_video_slot(route, call, layout, batch, heads, query.device)
-    chunks = ulysses.head_chunks(query.shape[2])
+    spans = ulysses.head_spans(query.shape[2])
 
     def make_mask(q, k):  # on this rank's heads, or on a head chunk of them (head_separable)
         return processor.sparsify(route, call, layout, q, k, heads)
@@ -616,7 +699,7 @@ def pipelined_video_attention(
 
     def attend(chunk, q, k, v, mask):
         # backends written before head parts take no ``part``: it is only passed when there are parts
-        part = {} if chunks == 1 else {"part": (chunk, chunks)}
+        part = {} if len(spans) == 1 else {"part": spans[chunk]}
         return processor.backend.attention(q, k, v, mask, slot=slot, cache=processor.cache, **part)
 
     return layout_attention(
@@ -659,45 +742,49 @@ def layout_attention(
 
     Returns ``[B, S/N, H, D]`` raster chunks; outputs travel back per chunk."""
     heads = query.shape[2]
-    chunks = ulysses.head_chunks(heads)
+    spans = ulysses.head_spans(heads)
     keep = keep or (lambda m: m)
     if mask is not None:  # -> [B, S, h, D] per chunk, raster order; later chunks launched after the first attention
-        incoming = ulysses.scatter_interleaved((query, key, value), chunks, defer_later=True)
+        incoming = ulysses.scatter_interleaved((query, key, value), spans, defer_later=True)
     elif make_mask is None:
         raise InvalidArgumentError("make_mask", "a callable when no mask is given", None)
-    elif separable and chunks > 1:  # the sparsifier on each head chunk as it arrives
-        incoming, masks = ulysses.scatter_interleaved((query, key, value), chunks), []
+    elif separable and len(spans) > 1:  # the sparsifier on each head chunk as it arrives
+        incoming, masks = ulysses.scatter_interleaved((query, key, value), spans), []
         for parts in incoming:
             parts[:2] = (layout.to_layout(p.wait()) for p in parts[:2])
             masks.append(make_mask(*parts[:2]))
-        mask = keep(join_head_chunks(masks, heads // (ulysses.degree * chunks)))
+        mask = keep(join_head_chunks(masks, [stop - start for start, stop in spans]))
     else:
         q_all, k_all = ulysses.scatter_heads_async(query, key)
-        incoming = [[None, None, v_c] for v_c in ulysses.scatter_head_chunks(value, chunks)]
+        incoming = [[None, None, v_c] for v_c in ulysses.scatter_head_chunks(value, spans)]
         q_all, k_all = layout.to_layout(q_all.wait()), layout.to_layout(k_all.wait())
         mask = keep(make_mask(q_all, k_all))  # overlaps v's transfer
-        per_chunk = q_all.shape[2] // chunks
-        for c, parts in enumerate(incoming):
-            rows = slice(c * per_chunk, (c + 1) * per_chunk)
-            parts[:2] = q_all[:, :, rows], k_all[:, :, rows]
+        for (start, stop), parts in zip(spans, incoming):
+            parts[:2] = q_all[:, :, start:stop], k_all[:, :, start:stop]
     if mask is None and dense is None:
         raise InvalidArgumentError("dense", "a callable for make_mask's dense decisions", None)
     local = None if mask is None else ulysses.local_mask(mask, heads)
-    back = HeadChunkGather(ulysses, chunks)
+    back = HeadChunkGather(ulysses, spans)
     for c, parts in enumerate(incoming):
         q_c, k_c, v_c = (p if isinstance(p, torch.Tensor) else layout.to_layout(p.wait()) for p in parts)
+        # The next chunk's exchanges go out before this chunk's attention is queued: their packing
+        # copies are kernels, which run before a kernel that holds every SM or after it, never beside
+        # it; queued first, they leave the whole attention to the copy engines' pulls.
+        for p in incoming[c + 1] if c + 1 < len(incoming) else ():
+            if isinstance(p, PendingExchange):
+                p.launch()
         if local is None:  # a dense decision, chunk by chunk
             out = dense(q_c, k_c, v_c)
         else:
-            out = attend(c, q_c, k_c, v_c, ulysses.chunk_mask(local, c, chunks))
-        ulysses.flush()  # the later chunks travel while this one is attended
+            out = attend(c, q_c, k_c, v_c, ulysses.chunk_mask(local, spans[c]))
         back.send(c, layout.to_raster(out))
     return back.result()
 
 
-def join_head_chunks(masks: Sequence[LogicalMask | None], heads_per_chunk: int) -> LogicalMask | None:
+def join_head_chunks(masks: Sequence[LogicalMask | None], heads_per_chunk: int | Sequence[int]) -> LogicalMask | None:
     """One mask over the heads of consecutive head chunks from each chunk's mask (``heads_per_chunk``
-    heads or 1 each); None when every chunk's decision was dense."""
+    heads, one count for all chunks or one per chunk, or 1 each); None when every chunk's decision
+    was dense."""
     if all(m is None for m in masks):
         return None
     if any(m is None for m in masks):
@@ -708,15 +795,19 @@ def join_head_chunks(masks: Sequence[LogicalMask | None], heads_per_chunk: int) 
     first = masks[0]
     if all(m is first for m in masks) and first.heads == 1:
         return first
+    counts = [heads_per_chunk] * len(masks) if isinstance(heads_per_chunk, int) else list(heads_per_chunk)
     batch = max(m.batch for m in masks)
     blocks = []
-    for i, m in enumerate(masks):
-        if m.heads not in (1, heads_per_chunk) or m.geometry_name != first.geometry_name or \
-                (m.seq_len_q, m.seq_len_kv) != (first.seq_len_q, first.seq_len_kv):
+    for i, (m, count) in enumerate(zip(masks, counts, strict=True)):
+        if (
+            m.heads not in (1, count)
+            or m.geometry_name != first.geometry_name
+            or (m.seq_len_q, m.seq_len_kv) != (first.seq_len_q, first.seq_len_kv)
+        ):
             raise MaskError(
                 f"sparsifier result of head chunk {i}",
-                f"{first.geometry_name} over ({first.seq_len_q}, {first.seq_len_kv}) with 1 or {heads_per_chunk} heads",
+                f"{first.geometry_name} over ({first.seq_len_q}, {first.seq_len_kv}) with 1 or {count} heads",
                 f"{m.geometry_name} over ({m.seq_len_q}, {m.seq_len_kv}) with {m.heads} heads",
             )
-        blocks.append(m.blocks.expand(batch, heads_per_chunk, *m.blocks.shape[2:]))
+        blocks.append(m.blocks.expand(batch, count, *m.blocks.shape[2:]))
     return LogicalMask(torch.cat(blocks, dim=1), first.block_q, first.block_kv, first.seq_len_q, first.seq_len_kv)

@@ -12,13 +12,19 @@ memory operations (``cuStreamWriteValue32`` into the peer's buffer, ``cuStreamWa
 one's own), so no SM waits on a peer. Per exchange ``seq``, with ``R = STAGING_SLOTS`` areas:
 
     pack stream      wait done[j] >= seq - R  ->  pack piece j into area seq % R  ->  ready[me] = seq on j
+                     ->  own piece into the output
     transfer stream  wait ready[j] >= seq  ->  pull my piece from j's area seq % R  ->  done[me] = seq on j
-    local stream     own piece into the output
 
-Every copy is a copy engine's where the strides allow (``cudaMemcpyAsync``, or ``cuMemcpy2DAsync``
-for a head slice of ``[B, S, H, D]``: rows of ``h * D`` elements at a pitch of ``H * D``), so no
-kernel runs on these streams: a kernel there would wait for the SMs a persistent attention kernel
-holds, and hold up the transfers queued behind it.
+Only the pulls run on the copy engines. The driver runs copies within one GPU as kernels, even
+batched ones asked to overlap compute (``benchmarks/copies_beside_attention.py``: on an H200 a
+packing copy queued beside a persistent attention kernel ended with the kernel, a pull from the
+peer 0.4 ms after it started). So the packing and own-piece copies are kernels that run before an
+attention kernel or after it, never beside it; ``copy_words`` makes them fast (16-byte words: 0.076 ms
+for a 96.8 MB piece against 0.13-0.15 ms for 2-byte elements), and the caller launches an exchange before
+the attention it should overlap (``layout_attention``). The pulls (``cudaMemcpyAsync``, or
+``cuMemcpy2DAsync`` into a head slice of ``[B, S, H, D]``: rows of ``h * D`` elements at a pitch
+of ``H * D``) run beside the attention: no kernel is queued on the transfer stream, where it would
+wait for the SMs and hold up the pulls behind it.
 
 The areas let a rank pack the exchanges issued together (q, k and v of every head chunk) while its
 peers still pull the first ones; ``done`` keeps it from overwriting an area before every peer has
@@ -249,11 +255,10 @@ class CopyEngineAllToAll:
         self.rank = dist.get_rank(group)
         self.degree = dist.get_world_size(group)
         self.ops = stream_memory_ops()
-        # High priority: where a copy falls back to a kernel (rows under MIN_ROW_BYTES), its blocks go
-        # before queued attention blocks.
+        # High priority: the packing copies (kernels) and a pull that falls back to a kernel (rows
+        # under MIN_ROW_BYTES) go before attention blocks queued on other streams.
         self.pack_stream = torch.cuda.Stream(device, priority=-1)
         self.transfer_stream = torch.cuda.Stream(device, priority=-1)
-        self.local_stream = torch.cuda.Stream(device, priority=-1)
         self.area_bytes = 0  # one staging area: a piece for every peer
         self.buffer: torch.Tensor | None = None  # [HEADER_BYTES + STAGING_SLOTS * area_bytes] uint8, symmetric
         self.handle: Any = None
@@ -350,37 +355,43 @@ class CopyEngineAllToAll:
             self.launch(self.pending.pop(0))
 
     def launch(self, exchange: Exchange) -> None:
-        """Queue one exchange's copies and signals on the engine's streams (driver calls with explicit
-        streams: host time matters, q, k and v of every head chunk go out before the first attention)."""
-        pack, transfer, local = self.pack_stream, self.transfer_stream, self.local_stream
+        """Queue one exchange's copies and signals on the engine's streams. Host time matters (q, k
+        and v of the next head chunk go out before each attention is queued, about 0.2 ms of
+        Python each on the device hosts), so the signals and pulls are driver calls with explicit
+        streams and the packing copies are entered on their stream once."""
+        pack, transfer = self.pack_stream, self.transfer_stream
         pieces, recv, seq = exchange.pieces, exchange.recv, exchange.seq
         piece_shape, dtype = pieces.shape[1:], pieces.dtype
         area, me, n = seq % STAGING_SLOTS, self.rank, self.degree
         peers = [(me + step) % n for step in range(1, n)]
-        for stream in (pack, transfer, local):
-            stream.wait_event(exchange.fence)
+        pack.wait_event(exchange.fence)
+        transfer.wait_event(exchange.fence)
         for j in peers:  # every peer has pulled area `area` of exchange seq - STAGING_SLOTS
             self.ops.wait(pack, self.word(me, MAX_RANKS + j), seq - STAGING_SLOTS)
-        for j in peers:
-            self.copy(pack, self.staging(me, area, slot(j, me), piece_shape, dtype), pieces[j])
-        for j in peers:
-            self.ops.write(pack, self.word(j, me), seq)
-        self.copy(local, recv[me], pieces[me])
-        exchange.own.record(local)
+        caller = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(pack)
+        try:
+            for j in peers:
+                copy_words(self.staging(me, area, slot(j, me), piece_shape, dtype), pieces[j])
+            for j in peers:
+                self.ops.write(pack, self.word(j, me), seq)
+            copy_words(recv[me], pieces[me])  # the own piece, while the peers pull theirs
+        finally:
+            torch.cuda.set_stream(caller)
+        exchange.own.record(pack)
         for j in peers:
             self.ops.wait(transfer, self.word(me, j), seq)
-            self.copy(transfer, recv[j], self.staging(j, area, slot(me, j), piece_shape, dtype))
+            self.pull(transfer, recv[j], self.staging(j, area, slot(me, j), piece_shape, dtype))
             self.ops.write(transfer, self.word(j, MAX_RANKS + me), seq)
         exchange.pulled.record(transfer)
         pieces.record_stream(pack)
-        pieces.record_stream(local)
-        recv.record_stream(local)
+        recv.record_stream(pack)
         recv.record_stream(transfer)
 
-    def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` on ``stream``, by a copy engine wherever the strides allow: an SM kernel
-        on these streams would wait behind an attention kernel that holds every SM (and hold up the
-        transfers queued after it)."""
+    def pull(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` from a peer's buffer on ``stream``, by a copy engine wherever the strides
+        allow: an SM kernel on the transfer stream would wait behind an attention kernel that holds
+        every SM (and hold up the pulls queued after it)."""
         key = (dst.shape, dst.stride(), src.stride(), dst.dtype)
         rows = self.rows.get(key, False)
         if rows is False:
@@ -392,6 +403,34 @@ class CopyEngineAllToAll:
         else:  # a copy kernel
             with torch.cuda.stream(stream):
                 dst.copy_(src)
+
+
+def copy_words(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` within this GPU on the current stream, as 16- or 8-byte words where the
+    layouts allow (the bits are moved, never converted).
+
+    The driver runs copies within one GPU as kernels (not on a copy engine, even when asked to
+    overlap compute), so they wait for the SMs like any kernel; what is left to choose is a fast
+    one. A 96.8 MB head-chunk piece on an H200 (``benchmarks/copies_beside_attention.py``), packed
+    from rows at a pitch of 4 rows: 2-byte elements (``Tensor.copy_``, ``cuMemcpy2DAsync``)
+    0.13-0.15 ms, 8-byte words 0.084 ms, 16-byte words 0.076 ms; a contiguous copy 0.06 ms."""
+    for dtype in (torch.complex128, torch.int64):  # complex128: 16 bytes the copy kernel moves whole
+        wide = words(dst, dtype), words(src, dtype)
+        if wide[0] is not None and wide[1] is not None:
+            wide[0].copy_(wide[1])
+            return
+    dst.copy_(src)
+
+
+def words(t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor | None:
+    """``t`` viewed as words of ``dtype`` (its last dim contiguous, every stride and the offset whole
+    words), or None."""
+    if t.dim() == 0 or t.stride(-1) != 1 or (t.shape[-1] * t.element_size()) % dtype.itemsize:
+        return None
+    try:
+        return t.view(dtype)
+    except RuntimeError:  # a stride or the storage offset is not a whole number of words
+        return None
 
 
 def slot(receiver: int, sender: int) -> int:
@@ -418,6 +457,10 @@ class CopyEngineWork:
 
     engine: CopyEngineAllToAll
     exchange: Exchange
+
+    def launch(self) -> None:
+        """Queue this exchange's copies now (and those of the exchanges made before it)."""
+        self.engine.flush(through=self.exchange.seq)
 
     def wait(self) -> bool:
         self.engine.flush(through=self.exchange.seq)

@@ -87,10 +87,14 @@ def test_ulysses_attention_local_heads_plan_reuse_and_round_trip(reports):
         assert raw["head_chunks"] == [2, 3, 2, 1]  # largest divisor of H/N (2, 6, 10, 4) up to `chunks`
         resend, empty, early, zero, uneven = raw["chunk_errors"]
         assert resend.startswith("InvalidArgumentError: chunk: expected a chunk in [0, 2) not sent yet, got 0"), resend
-        assert empty.startswith("InvalidArgumentError: x: expected [2, 200, 1, 16] like the chunks before"), empty
+        assert empty.startswith("InvalidArgumentError: x: expected [2, 200, 1, 16] (chunk 1's heads)"), empty
         assert early.startswith("InvalidArgumentError: HeadChunkGather: expected all 2 chunks sent"), early
         assert zero.startswith("InvalidArgumentError: chunks: expected an int >= 1"), zero
         assert uneven.startswith("InvalidArgumentError: chunks: expected a divisor of this rank's 2 heads"), uneven
+        # uneven chunks (weights 1:2 of 3 heads per rank): spans, attention, round trip, bad spans
+        assert raw["uneven_spans"] == [[[0, 1], [1, 3]], [[0, 2], [2, 10], [10, 18], [18, 20]]]
+        assert raw["uneven_err"] <= EXACT and raw["uneven_round_trip_exact"]
+        assert raw["overlapping_spans_error"].startswith("InvalidArgumentError: chunks: expected an int or spans")
         assert raw["wrong_heads_error"].startswith("MaskError: mask head dim: expected 1, 4 (all heads) or 2")
 
 

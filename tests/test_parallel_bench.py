@@ -76,10 +76,11 @@ def test_cp_scaling_smoke(tmp_path):
     for forward in (transformer["forward"], transformer["forward_nccl"]):
         assert forward["max_abs_diff"] <= 1e-5 and forward["rel_l2"] <= 1e-6
     assert 0 < attention["mask_density"] < 1
-    # the timeline: every mark of a 2-chunk call (1 head per rank in the smoke: 1 chunk), in order
-    for rows in attention["timeline"].values():
+    # the timeline: every mark of each chunk count's call, in order
+    assert {t["chunks"] for t in attention["timeline"].values()} == {r["chunks"] for r in attention["runs"].values()}
+    for timeline in attention["timeline"].values():
+        rows, chunks = timeline["marks"], timeline["chunks"]
         marks = [r["mark"] for r in rows]
-        chunks = attention["runs"]["mask_reused"]["chunks"]
         assert marks[0] == "start" and marks[-1] == "end"
         assert sum(m.startswith("attention") and m.endswith("done") for m in marks) == chunks
         assert sum(m.startswith("input") for m in marks) == 3 * chunks  # q, k, v permuted per chunk

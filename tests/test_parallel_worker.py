@@ -99,6 +99,25 @@ def case_raw(rank: int, world: int) -> dict:
         except Exception as err:  # noqa: BLE001 - the test checks the type and message
             errors.append(f"{type(err).__name__}: {err}")
     report["chunk_errors"] = errors
+    # Uneven head chunks (weights): 3 heads per rank cut 1 + 2, attention and the round trip.
+    heads6 = 3 * world
+    q6, k6, v6 = (torch.randn(batch, seq, heads6, dim, generator=gen) for _ in range(3))
+    mask6 = random_mask(batch, heads6, seq, seq, 32, 48, density=0.4, seed=5)
+    uneven = Ulysses(chunks=(1, 2))
+    out6 = ulysses_attention(*(chunk(t, rank, world) for t in (q6, k6, v6)), mask6, uneven, runtime=runtime)
+    report["uneven_spans"] = [list(uneven.head_spans(heads6)), list(Ulysses(chunks=(1, 4, 4, 1)).head_spans(40))]
+    report["uneven_err"] = max_err(out6, chunk(block_sparse_attention(q6, k6, v6, mask6), rank, world))
+    x6 = torch.randn(batch, seq // world, heads6, dim, generator=torch.Generator().manual_seed(20 + rank))
+    spans = uneven.head_spans(heads6)
+    back = HeadChunkGather(uneven, spans)
+    for c, pending in reversed(list(enumerate(uneven.scatter_head_chunks(x6, spans)))):
+        back.send(c, pending.wait())
+    report["uneven_round_trip_exact"] = bool(torch.equal(back.result(), x6))
+    try:
+        uneven.scatter_head_chunks(x6, [(0, 2), (1, 3)])
+        report["overlapping_spans_error"] = None
+    except Exception as err:  # noqa: BLE001 - the test checks the type and message
+        report["overlapping_spans_error"] = f"{type(err).__name__}: {err}"
     try:
         ulysses.local_mask(random_mask(1, 3, seq, seq, 32, 32, seed=4), heads)
         report["wrong_heads_error"] = None

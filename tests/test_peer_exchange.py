@@ -9,7 +9,7 @@ import torch
 
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.parallel import TRANSPORT_ENV, Ulysses
-from tessera_diffusers.peer_exchange import CopyEngineAllToAll, copy_rows, slot
+from tessera_diffusers.peer_exchange import CopyEngineAllToAll, copy_rows, slot, words
 
 
 def emulate_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -74,6 +74,48 @@ def test_copy_rows_refuses_what_rows_cannot_express(case):
         dst_bytes = emulate_rows(dst, src)
         dst.copy_(src)
         assert torch.equal(dst_bytes, storage_bytes(dst))
+
+
+@pytest.mark.parametrize(
+    "make, wide",
+    [
+        (lambda x: x, True),  # contiguous
+        (lambda x: x[:, :, 4:8], True),  # a head chunk: rows at a pitch of 10 heads
+        (lambda x: x.unflatten(2, (2, 5))[:, :, 1, 1:3], True),  # the piece of rank 1, chunk 1 of 5
+        (lambda x: x[..., 1:5], False),  # an offset of one element (2 bytes): not whole words
+        (lambda x: x[..., :4], True),  # rows of one word
+        (lambda x: x[..., :6], False),  # rows of 12 bytes
+        (lambda x: x[..., :3], False),  # rows of 6 bytes
+        (lambda x: x.transpose(1, 2), True),  # strides permuted, the last dim still contiguous
+        (lambda x: x.transpose(2, 3), False),  # the last dim strided
+    ],
+)
+def test_words_view_the_same_bytes(make, wide):
+    x = torch.randn(2, 3, 10, 8).to(torch.bfloat16)
+    t = make(x)
+    w = words(t)
+    assert (w is not None) == wide
+    if w is not None:
+        assert w.dtype == torch.int64 and w.data_ptr() == t.data_ptr()
+        dst = torch.zeros_like(t)
+        words(dst).copy_(w)  # what copy_words does on the GPU
+        assert torch.equal(dst.view(torch.int16), t.contiguous().view(torch.int16))
+
+
+def test_wide_words_move_the_bits():
+    """copy_words' 16-byte words (complex128) and 8-byte words move bf16 bit patterns unchanged, NaNs
+    and infinities included."""
+    bits = torch.randint(-(2**15), 2**15, (2, 5, 4, 16), generator=torch.Generator().manual_seed(0), dtype=torch.int16)
+    bits[0, 0, 0, :4] = torch.tensor([0x7FC1, 0x7F81, -0x0080, 0x7F80], dtype=torch.int16)  # qNaN, sNaN, -inf, inf
+    x = bits.view(torch.bfloat16)
+    for dtype in (torch.complex128, torch.int64):
+        src = x[:, :, 2:4]  # a head chunk: rows of 2 heads at a pitch of 4
+        dst = torch.zeros(src.shape, dtype=torch.bfloat16)
+        words(dst, dtype).copy_(words(src, dtype))
+        assert torch.equal(dst.view(torch.int16), src.contiguous().view(torch.int16))
+    assert words(x[..., 4:12], torch.complex128) is None  # an offset of 8 bytes: not a whole 16-byte word
+    assert words(x[..., 4:12], torch.int64) is not None
+    assert words(x[..., :4], torch.complex128) is None  # rows of 8 bytes
 
 
 def test_slots_pair_senders_and_receivers():
