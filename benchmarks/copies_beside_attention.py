@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tessera_diffusers.peer_exchange import copy_rows, copy_words, stream_memory_ops
+from tessera_diffusers.peer_exchange import copy_rows, copy_words, stream_memory_ops, words
 from tessera_diffusers.runtime import Runtime
 from tessera_diffusers.sparsifiers import LatentGrid, SSTASparsifier, top_k_for_block_density
 
@@ -116,38 +116,41 @@ def copies(device: torch.device) -> dict:
             "peer pull (other GPU -> contiguous), cuMemcpyAsync": (flat2, remote, "driver"),
             "peer pull (other GPU -> strided), cuMemcpy2DAsync": (unpack, remote, "driver"),
         }
-    return {
+    table = {
         **peer,
         "contiguous, cuMemcpyAsync": (flat2, flat, "driver"),
         "contiguous, cuMemcpyBatchAsync (prefer overlap)": (flat2, flat, "batched"),
-        "pack (strided -> contiguous), cuMemcpy2DAsync": (flat, piece, "driver"),
-        "pack, cuMemcpy3DBatchAsync (prefer overlap)": (flat, piece, "batched"),
-        "pack, Tensor.copy_": (flat, piece, "kernel"),
-        "pack, Tensor.copy_ of 8-byte words (copy_words)": (flat, piece, "words"),
-        "pack, Tensor.copy_ of 16-byte words": (flat, piece, "words16"),
-        "pack, index_select of rows into the destination": (flat, piece, "rows"),
-        "unpack (contiguous -> strided), cuMemcpy2DAsync": (unpack, flat, "driver"),
-        "unpack, Tensor.copy_ of 16-byte words": (unpack, flat, "words16"),
-        "unpack, index_copy_ of rows": (unpack, flat, "rows"),
-        "unpack, cuMemcpy3DBatchAsync (prefer overlap)": (unpack, flat, "batched"),
-        "unpack, Tensor.copy_ of 8-byte words (copy_words)": (unpack, flat, "words"),
     }
+    methods = {
+        "driver": "cuMemcpy2DAsync",
+        "batched": "cuMemcpy3DBatchAsync (prefer overlap)",
+        "kernel": "Tensor.copy_",
+        "words": "Tensor.copy_ of 8-byte words",
+        "words16": "Tensor.copy_ of 16-byte words (copy_words)",
+        "rows": "index_select(out=) / index_copy_ of rows",
+    }
+    for way, (dst, src) in {
+        "pack (strided -> contiguous)": (flat, piece),
+        "unpack (contiguous -> strided)": (unpack, flat),
+    }.items():
+        table.update({f"{way}, {label}": (dst, src, how) for how, label in methods.items()})
+    return table
 
 
 def copy_by_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` as a row gather (``index_select(out=)``) or scatter (``index_copy_``)."""
     rows = copy_rows(dst, src)
-    words = rows.width // 8
+    row_words = rows.width // 8
     if dst.is_contiguous():  # gather strided rows of src into dst
         step = rows.src_pitch // rows.width
-        base = src.view(torch.int64).as_strided(((rows.height - 1) * step + 1, words), (words, 1))
+        base = src.view(torch.int64).as_strided(((rows.height - 1) * step + 1, row_words), (row_words, 1))
         index = torch.arange(rows.height, device=src.device) * step
-        torch.index_select(base, 0, index, out=dst.view(torch.int64).view(rows.height, words))
+        torch.index_select(base, 0, index, out=dst.view(torch.int64).view(rows.height, row_words))
     else:  # scatter src's rows into dst's strided rows
         step = rows.dst_pitch // rows.width
-        base = dst.view(torch.int64).as_strided(((rows.height - 1) * step + 1, words), (words, 1))
+        base = dst.view(torch.int64).as_strided(((rows.height - 1) * step + 1, row_words), (row_words, 1))
         index = torch.arange(rows.height, device=dst.device) * step
-        base.index_copy_(0, index, src.view(torch.int64).view(rows.height, words))
+        base.index_copy_(0, index, src.view(torch.int64).view(rows.height, row_words))
 
 
 def issue(how: str, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -161,10 +164,10 @@ def issue(how: str, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Ten
         batched_copy(stream, dst, src)
     elif how == "words":
         with torch.cuda.stream(stream):
-            copy_words(dst, src)
+            words(dst).copy_(words(src))
     elif how == "words16":
         with torch.cuda.stream(stream):
-            dst.view(torch.complex128).copy_(src.view(torch.complex128))
+            copy_words(dst, src)
     elif how == "rows":
         with torch.cuda.stream(stream):
             copy_by_rows(dst, src)
