@@ -744,7 +744,7 @@ def layout_attention(
     heads = query.shape[2]
     spans = ulysses.head_spans(heads)
     keep = keep or (lambda m: m)
-    if mask is not None:  # -> [B, S, h, D] per chunk, raster order; later chunks launched after the first attention
+    if mask is not None:  # -> [B, S, h, D] per chunk, raster order; later chunks launched in the loop below
         incoming = ulysses.scatter_interleaved((query, key, value), spans, defer_later=True)
     elif make_mask is None:
         raise InvalidArgumentError("make_mask", "a callable when no mask is given", None)
@@ -769,7 +769,9 @@ def layout_attention(
         q_c, k_c, v_c = (p if isinstance(p, torch.Tensor) else layout.to_layout(p.wait()) for p in parts)
         # The next chunk's exchanges go out before this chunk's attention is queued: their packing
         # copies are kernels, which run before a kernel that holds every SM or after it, never beside
-        # it; queued first, they leave the whole attention to the copy engines' pulls.
+        # it; queued first, they leave the whole attention to the copy engines' pulls. (Exchanges
+        # launch in the order they were made, so with more than 2 chunks the first output's exchange
+        # takes the chunks after the next one with it, once the first attention is queued.)
         for p in incoming[c + 1] if c + 1 < len(incoming) else ():
             if isinstance(p, PendingExchange):
                 p.launch()

@@ -18,9 +18,9 @@ one's own), so no SM waits on a peer. Per exchange ``seq``, with ``R = STAGING_S
 Only the pulls run on the copy engines. The driver runs copies within one GPU as kernels, even
 batched ones asked to overlap compute (``benchmarks/copies_beside_attention.py``: on an H200 a
 packing copy queued beside a persistent attention kernel ended with the kernel, a pull from the
-peer 0.4 ms after it started). So the packing and own-piece copies are kernels that run before an
-attention kernel or after it, never beside it; ``copy_words`` makes them fast (16-byte words: 0.076 ms
-for a 96.8 MB piece against 0.13-0.15 ms for 2-byte elements), and the caller launches an exchange before
+peer 0.4-0.5 ms after the kernel started). So the packing and own-piece copies are kernels that run before an
+attention kernel or after it, never beside it; ``copy_words`` makes them fast (16-byte words: 0.071 ms
+for a 96.8 MB piece against 0.134-0.139 ms for 2-byte elements), and the caller launches an exchange before
 the attention it should overlap (``layout_attention``). The pulls (``cudaMemcpyAsync``, or
 ``cuMemcpy2DAsync`` into a head slice of ``[B, S, H, D]``: rows of ``h * D`` elements at a pitch
 of ``H * D``) run beside the attention: no kernel is queued on the transfer stream, where it would
@@ -356,9 +356,9 @@ class CopyEngineAllToAll:
 
     def launch(self, exchange: Exchange) -> None:
         """Queue one exchange's copies and signals on the engine's streams. Host time matters (q, k
-        and v of the next head chunk go out before each attention is queued, about 0.2 ms of
-        Python each on the device hosts), so the signals and pulls are driver calls with explicit
-        streams and the packing copies are entered on their stream once."""
+        and v of the next head chunk go out just before each attention is queued; one launch took
+        80-240 us of host time on the device hosts), so the signals and pulls are driver calls with
+        explicit streams and the packing copies are entered on their stream once."""
         pack, transfer = self.pack_stream, self.transfer_stream
         pieces, recv, seq = exchange.pieces, exchange.recv, exchange.seq
         piece_shape, dtype = pieces.shape[1:], pieces.dtype
@@ -412,8 +412,9 @@ def copy_words(dst: torch.Tensor, src: torch.Tensor) -> None:
     The driver runs copies within one GPU as kernels (not on a copy engine, even when asked to
     overlap compute), so they wait for the SMs like any kernel; what is left to choose is a fast
     one. A 96.8 MB head-chunk piece on an H200 (``benchmarks/copies_beside_attention.py``), packed
-    from rows at a pitch of 4 rows: 2-byte elements (``Tensor.copy_``, ``cuMemcpy2DAsync``)
-    0.13-0.15 ms, 8-byte words 0.084 ms, 16-byte words 0.076 ms; a contiguous copy 0.06 ms."""
+    from rows at a pitch of 4 rows, two runs: 2-byte elements (``Tensor.copy_``, ``cuMemcpy2DAsync``)
+    0.134-0.153 ms, 8-byte words 0.072-0.084 ms, 16-byte words 0.071-0.076 ms; a contiguous copy
+    0.062-0.064 ms."""
     for dtype in (torch.complex128, torch.int64):  # complex128: 16 bytes the copy kernel moves whole
         wide = words(dst, dtype), words(src, dtype)
         if wide[0] is not None and wide[1] is not None:
