@@ -78,8 +78,9 @@ if TYPE_CHECKING:
 
 
 # Head chunks per rank of the pipelined exchange. On 2 x H200 (NV18), Wan2.1 720p attention with
-# the mask reused, over copy engines: 2 chunks 0.905 efficiency, 4 chunks 0.867, 1 chunk 0.859 (NCCL
-# in the same run: 0.776 at 2 chunks; benchmarks/results/h200x2_cp_scaling_local_copies). Chunks of
+# the mask reused, over copy engines: 2 chunks 0.905 efficiency (0.865-0.919 over nine runs), 4
+# chunks 0.867, 1 chunk 0.859 (NCCL in the same run: 0.776 at 2 chunks;
+# benchmarks/results/h200x2_cp_scaling_local_copies). Chunks of
 # uneven size (weights) lost in every run there. Each chunk's packing copies and token permutations
 # are kernels, which cannot overlap a persistent attention kernel that holds every SM.
 DEFAULT_HEAD_CHUNKS = 2
