@@ -84,7 +84,7 @@ class Problem:
 
 
 WAN_720P = Problem("Wan2.1-14B T2V 720p", LatentGrid(21, 45, 80), 40, 128, torch.bfloat16)
-SMOKE = Problem("smoke (CPU)", LatentGrid(2, 8, 16), 4, 16, torch.float32)
+SMOKE = Problem("smoke (CPU)", LatentGrid(2, 8, 16), 8, 16, torch.float32)  # 4 heads per rank: uneven chunks fit
 
 
 @dataclass

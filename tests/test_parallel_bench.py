@@ -39,7 +39,7 @@ def test_cp_scaling_smoke(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(SCRIPT), "--smoke", "--timeline", "--out", str(tmp_path),
+        str(SCRIPT), "--smoke", "--timeline", "--chunks", "2,1:3", "--out", str(tmp_path),
     ]  # fmt: skip
     # A session of its own, so that torchrun and its workers can be ended together on a timeout.
     proc = subprocess.Popen(
@@ -76,8 +76,13 @@ def test_cp_scaling_smoke(tmp_path):
     for forward in (transformer["forward"], transformer["forward_nccl"]):
         assert forward["max_abs_diff"] <= 1e-5 and forward["rel_l2"] <= 1e-6
     assert 0 < attention["mask_density"] < 1
+    # equal chunks (the headline) and weights 1:3 of a rank's 4 heads, both in the table
+    assert [run["heads_per_chunk"] for run in attention["runs"].values()][:2] == [[2, 2], [1, 3]]
+    assert "2 head chunks, " in markdown and "2 head chunks (1/3 heads)" in markdown
     # the timeline: every mark of each chunk count's call, in order
-    assert {t["chunks"] for t in attention["timeline"].values()} == {r["chunks"] for r in attention["runs"].values()}
+    assert {tuple(t["heads_per_chunk"]) for t in attention["timeline"].values()} == {
+        tuple(r["heads_per_chunk"]) for r in attention["runs"].values()
+    }
     for timeline in attention["timeline"].values():
         rows, chunks = timeline["marks"], timeline["chunks"]
         marks = [r["mark"] for r in rows]
