@@ -8,11 +8,13 @@ plus a small absolute tolerance; log-sum-exp must match to fp32 accuracy, -inf e
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +182,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The command line of a ``run_ranks`` worker: ``--rank``, ``--world``, ``--init`` (what
+    ``run_ranks`` passes) and ``--out`` (the directory of its ``rank<R>.json``); add the rest."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--init", required=True, help="tcp://127.0.0.1:PORT")
+    parser.add_argument("--out", type=Path, required=True)
+    return parser
+
+
 def run_ranks(
     script: Path, world: int, args: Sequence[str], *, env: dict[str, str], timeout: float
 ) -> list[subprocess.CompletedProcess]:
@@ -201,9 +214,10 @@ def run_ranks(
         for r in range(world)
     ]
     results = []
+    deadline = time.monotonic() + timeout
     try:
         for proc in procs:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     except subprocess.TimeoutExpired:
         for proc in procs:

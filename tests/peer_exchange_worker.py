@@ -9,13 +9,11 @@ per case, whether the copy-engine exchange and NCCL delivered exactly that.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
 
@@ -131,12 +129,9 @@ CASES = {"exchanges": case_exchanges, "stress": case_stress, "attention": case_a
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--init", required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    from tessera_diffusers.testing import rank_parser
+
+    args = rank_parser(__doc__.split("\n")[0]).parse_args()
     device = torch.device("cuda", args.rank)
     torch.cuda.set_device(device)
     dist.init_process_group(

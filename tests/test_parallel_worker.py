@@ -10,13 +10,11 @@ the single-process output (the rank's chunk of it).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -301,12 +299,10 @@ CASES = {"raw": case_raw, "wan": case_wan, "refusals": case_refusals}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--init", required=True, help="tcp://127.0.0.1:PORT")
+    from tessera_diffusers.testing import rank_parser
+
+    parser = rank_parser(__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {sorted(CASES)}")
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     # diffusers derives the device as rank % torch.accelerator.device_count(), which is 0 on a
     # CPU-only torch (ZeroDivisionError); one "device" per process is what it means here.
