@@ -5,13 +5,15 @@ Hopper cases on sm90 (two for the 64 x 64 tile, which runs two CTAs per SM).
 ``--every-kernel`` runs every Hopper kernel of the library twice instead, once per task schedule:
 a direct plan on the static schedule (longest-first, row-major and split-K in turn) and a
 persistent plan on the dynamic one (coarsened-packed and refined in turn), so each compiled
-kernel (tile x head dim x dtype x stages x schedule) is exercised under the sanitizer. ``--grouped``
+kernel (tile x head dim x dtype x stages x schedule) is exercised under the sanitizer; ``--only``
+narrows it to the kernels whose name matches a regex. ``--grouped``
 adds each case's grouped query layout where its query tile covers several blocks."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 
 import torch
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="every Hopper kernel of the library, once per task schedule (replaces the fixed cases)")
     parser.add_argument("--grouped", action="store_true",
                         help="also run each case whose query tile covers several blocks in the grouped query layout")
+    parser.add_argument("--only", default=None, metavar="REGEX",
+                        help="with --every-kernel: only the kernels whose name matches (e.g. 'hopper_t(64x64|128x64)_')")
     parser.add_argument("--start", type=int, default=0,
                         help="skip the first START cases (to finish a sanitizer run that hit its time limit)")
     args = parser.parse_args(argv)
@@ -80,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     kernels = {(k.family.value, (k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps)): k for k in library}
     hopper = torch.cuda.get_device_capability() == (9, 0)
     if args.every_kernel:
-        cases = every_hopper_kernel(library) if hopper else []
+        chosen = [k for k in library if args.only is None or re.search(args.only, k.name)]
+        cases = every_hopper_kernel(chosen) if hopper else []
     else:
         cases = PORTABLE_CASES + (HOPPER_CASES if hopper else [])
         cases = [c for c in cases if args.family in (None, c[1])]

@@ -18,6 +18,8 @@
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
 
+#include <cute/atom/copy_traits_sm75.hpp>  // ldmatrix: Q into registers (Traits::kQInRegisters)
+
 #include "tessera/hopper/epilogue.cuh"
 #include "tessera/hopper/mainloop.cuh"
 #include "tessera/hopper/pipeline.cuh"
@@ -33,7 +35,8 @@ struct TiledMmas {
   typename T::MmaPV pv;
 };
 
-// What a consumer thread reads: its wgmma operand descriptors over Q, K and V^T, and the
+// What a consumer thread reads: its wgmma operand descriptors over K and V^T, its view of Q (wgmma
+// descriptors over the Q buffers, or with T::kQInRegisters its ldmatrix source in them), and the
 // coordinates of its score and output accumulator values.
 template <class TQ, class TK, class TV, class CS, class CO>
 struct ConsumerViews {
@@ -60,12 +63,40 @@ __device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
   TiledMmas<T> mmas;
   auto thr_qk = mmas.qk.get_thread_slice(ctid);
   auto thr_pv = mmas.pv.get_thread_slice(ctid);
+  // Q in registers: one ldmatrix copy of the task's Q buffer into q_regs per task.
+  const auto q_tiled_copy = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, typename T::Element>{}, mmas.qk);
+  const auto q_copy = q_tiled_copy.get_thread_slice(ctid);
+  auto q_regs = [&] {
+    if constexpr (T::kQInRegisters)
+      return thr_qk.partition_fragment_A(sQ(_, _, 0));  // registers (MMA, MMA_M, MMA_K)
+    else
+      return 0;
+  }();
   const auto views = make_views(
-      thr_qk.partition_fragment_A(sQ),   // descriptors (MMA, MMA_M, MMA_K, Q BUFFERS)
+      [&] {
+        if constexpr (T::kQInRegisters)
+          return q_copy.partition_S(sQ);  // (CPY, CPY_M, CPY_K, Q BUFFERS)
+        else
+          return thr_qk.partition_fragment_A(sQ);  // descriptors (MMA, MMA_M, MMA_K, Q BUFFERS)
+      }(),
       thr_qk.partition_fragment_B(sK),   // descriptors (MMA, MMA_N, MMA_K, STAGES)
       thr_pv.partition_fragment_B(sVt),  // descriptors (MMA, MMA_N, MMA_K, STAGES)
       thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kTileKV>>{})),
       thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{})));
+
+  // Q K^T's A operand for the task in Q buffer qs, once it has landed (consume_task).
+  auto q_operand = [&](int qs) -> decltype(auto) {
+    if constexpr (T::kQInRegisters) {
+      Tensor q_dst = q_copy.retile_D(q_regs);
+      copy(q_tiled_copy, views.q(_, _, _, qs), q_dst);
+      // The TMA-store epilogue later writes O into this buffer, and a thread's O rows are rows
+      // another lane of its warp loaded here: the warp's reads are ordered before those writes.
+      __syncwarp();
+      return (q_regs);
+    } else {
+      return views.q(_, _, _, qs);
+    }
+  };
 
   PipeState<T::kStages> read_k, read_v;
   PipeState<T::kQStages> read_q;
@@ -80,7 +111,7 @@ __device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
     st.row_sum[0] = st.row_sum[1] = 0.f;
     const bool tiles = t.tile_end > t.tile_begin;
     if (tiles) {
-      consume_task<T, kDynamic>(p, t, mmas, views, st, bar, read_k, read_v, read_q, turns, tma_store);
+      consume_task<T, kDynamic>(p, t, q_operand, mmas, views, st, bar, read_k, read_v, read_q, turns, tma_store);
     } else if constexpr (kDynamic) {
       Barrier::arrive(&bar.q_empty[read_q.stage]);  // a task with no tile: only its empty rows are written
     }

@@ -146,13 +146,16 @@ struct RowState {
 
 // The consumer's work on one task with at least one KV tile: Q K^T, masking, softmax and P V over
 // the task's tiles, advancing the K and V read states. `o`, `row_max`, `row_sum` start cleared.
-// The task's Q is in buffer read_q.stage (advanced by the caller once the task is done), released
-// after the last Q K^T unless `keep_q` (the TMA-store epilogue stages O in it). kDynamic (a
-// dynamically scheduled grid): Q has already landed (its q_full phase also carried the task), and
-// every thread, not one per warp, releases it.
-template <class T, bool kDynamic = false, class Mmas, class Views, class State>
-__device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const Task& t, Mmas& mmas, const Views& v,
-                                             State& st, PipelineBarriers<T::kStages, T::kQStages>& bar,
+// The task's Q is in buffer read_q.stage (advanced by the caller once the task is done); once it
+// has landed, `q_operand(qs)` gives Q K^T's A operand: wgmma descriptors over that buffer, or the
+// registers it loads it into (T::kQInRegisters). The buffer is released after the last Q K^T
+// unless `keep_q` (the TMA-store epilogue stages O in it). kDynamic (a dynamically scheduled grid):
+// Q has already landed (its q_full phase also carried the task), and every thread, not one per
+// warp, releases it.
+template <class T, bool kDynamic = false, class QOperand, class Mmas, class Views, class State>
+__device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const Task& t, const QOperand& q_operand,
+                                             Mmas& mmas, const Views& v, State& st,
+                                             PipelineBarriers<T::kStages, T::kQStages>& bar,
                                              PipeState<T::kStages>& read_k, PipeState<T::kStages>& read_v,
                                              const PipeState<T::kQStages>& read_q, const PingPong<T>& turns,
                                              bool keep_q = false) {
@@ -160,6 +163,7 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
   const int n = t.tile_end - t.tile_begin;
   const int qs = read_q.stage;
   if constexpr (!kDynamic) Barrier::wait(&bar.q_full[qs], read_q.phase);
+  decltype(auto) q = q_operand(qs);
 
   Tensor s = partition_fragment_C(mmas.qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});
   // P in the register layout of the A operand: ((2, 2, 2), 1, N / 16), the same value order as S.
@@ -168,7 +172,7 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
 
   auto issue_scores = [&]() {  // S = Q K^T on the next K stage, once the producer has filled it
     Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);  // TMA writes and wgmma reads: both async proxy
-    wgmma_issue<true>(mmas.qk, v.q(_, _, _, qs), v.k(_, _, _, read_k.stage), s);
+    wgmma_issue<true>(mmas.qk, q, v.k(_, _, _, read_k.stage), s);
   };
   auto issue_pv = [&]() {  // O += P V on the next V stage
     Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);

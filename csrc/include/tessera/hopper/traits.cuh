@@ -79,9 +79,27 @@ struct Traits {
   static constexpr int kConsumerRegisters = kWarpgroups == 2 ? 232 : 216;
   static constexpr int kMaxSlots = kTileKV / 16;
 
-  // S = Q K^T: A (Q) and B (K) from shared memory, both K-major (head dim contiguous).
+  // Q K^T with Q in registers: each consumer thread loads its share of the task's Q from shared
+  // memory once (ldmatrix) and every Q K^T reads only K there (rs wgmma). With Q in shared memory
+  // (ss wgmma), a 64-column K tile makes each m64n64k16 read as many A bytes (Q) as B bytes (K),
+  // which with the TMA writes of K and V asks more of the SM's shared memory bandwidth than one
+  // tile's tensor work covers. Measured on the H200 (benchmarks/results/h200_q_registers, 14 plans
+  // of 64-column tiles on ten families' masks, against the same build without it in the same
+  // calls): 0.976 and 0.988 of the time (direct 64 x 64 at 20% density 0.91-0.94, 128 x 64
+  // 0.94), while the unchanged 128-column plans read 0.997 and 1.010. In the 128-column kernels it
+  // measured 0.958-1.032 and stays off. -DTESSERA_HOPPER_Q_REGISTERS=0: Q from shared memory in
+  // every kernel; 1 (default): in registers where the KV tile has 64 columns; 2: in every kernel.
+#ifndef TESSERA_HOPPER_Q_REGISTERS
+#define TESSERA_HOPPER_Q_REGISTERS 1
+#endif
+  static constexpr bool kQInRegisters =
+      TESSERA_HOPPER_Q_REGISTERS == 2 || (TESSERA_HOPPER_Q_REGISTERS == 1 && kTileKV == 64);
+  // S = Q K^T: B (K) from shared memory, A (Q) from shared memory or registers, both K-major (head
+  // dim contiguous).
+  using MmaQKShape = Shape<Int<64>, Int<kTileKV>, Int<kHeadDim>>;
   using MmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<64>, Int<kTileKV>, Int<kHeadDim>>>(),
+      conditional_t<kQInRegisters, decltype(GMMA::rs_op_selector<Element, Element, float, MmaQKShape>()),
+                    decltype(GMMA::ss_op_selector<Element, Element, float, MmaQKShape>())>{},
       Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
   // O += P V: A (P) from registers, B (V) from shared memory with the head dim contiguous (MN-major).
   using MmaPV = decltype(make_tiled_mma(
