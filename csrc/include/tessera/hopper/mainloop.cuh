@@ -77,8 +77,10 @@ __device__ __forceinline__ void mask_scores(const TesseraAttnParams& p, const Ti
 }
 
 // Online softmax over one score tile, in place (scores -> unnormalized probabilities); returns in
-// `alpha` the factor that rescales what was accumulated under the previous row maxima.
-template <class FragS>
+// `alpha` the factor that rescales what was accumulated under the previous reference maxima. The
+// reference is the row maximum so far, or with T::kLazyRescale one that moves only when a tile's
+// scores exceed it by more than T::kRescaleThreshold (traits.cuh).
+template <class T, class FragS>
 __device__ __forceinline__ void online_softmax(FragS& s, float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2],
                                                float scale_log2) {
   constexpr int kVals = decltype(size(s))::value;
@@ -97,10 +99,20 @@ __device__ __forceinline__ void online_softmax(FragS& s, float (&row_max)[2], fl
     float tile_max = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    const float new_max = fmaxf(row_max[half], tile_max * scale_log2);
-    const float ref = new_max == -CUDART_INF_F ? 0.f : new_max;  // empty so far: exp2 gives 0, not NaN
-    alpha[half] = fast_exp2(row_max[half] - ref);
-    row_max[half] = new_max;
+    float ref;
+    if constexpr (T::kLazyRescale) {
+      const float tile_ref = tile_max * scale_log2;
+      // Also taken when the row had no active score yet (-inf) and this tile has one: alpha is 0 then.
+      const bool moves = tile_ref > row_max[half] + T::kRescaleThreshold;
+      alpha[half] = moves ? fast_exp2(row_max[half] - tile_ref) : 1.f;
+      if (moves) row_max[half] = tile_ref;
+      ref = row_max[half] == -CUDART_INF_F ? 0.f : row_max[half];  // empty so far: exp2 gives 0, not NaN
+    } else {
+      const float new_max = fmaxf(row_max[half], tile_max * scale_log2);
+      ref = new_max == -CUDART_INF_F ? 0.f : new_max;  // empty so far: exp2 gives 0, not NaN
+      alpha[half] = fast_exp2(row_max[half] - ref);
+      row_max[half] = new_max;
+    }
     CUTE_UNROLL
     for (int l = 0; l < kLanes; ++l) part[l] = 0.f;
     CUTE_UNROLL
@@ -184,7 +196,7 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
     read_k.advance();
     if (i == n - 1 && !keep_q) release_q<kDynamic>(&bar.q_empty[qs]);
     if (a.needs_mask) mask_scores<T>(p, a, tile_slots(p, t, t.tile_begin + i), s, v.lane_col, v.row_of_half);
-    online_softmax(s, st.row_max, st.row_sum, alpha, p.scale_log2);
+    online_softmax<T>(s, st.row_max, st.row_sum, alpha, p.scale_log2);
   };
   auto pv_done = [&]() {  // release V
     warpgroup_fence_operand(st.o);
@@ -216,8 +228,11 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
     scores_done(i, act);
     warpgroup_wait<0>();
     pv_done();
-    CUTE_UNROLL
-    for (int e = 0; e < size(st.o); ++e) st.o(e) *= alpha[(e >> 1) & 1];
+    // With lazy references a warp none of whose rows moved its reference skips the rescale.
+    if (!T::kLazyRescale || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+      CUTE_UNROLL
+      for (int e = 0; e < size(st.o); ++e) st.o(e) *= alpha[(e >> 1) & 1];
+    }
     to_prob();
   }
 
