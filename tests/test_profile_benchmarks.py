@@ -455,3 +455,27 @@ def test_profile_pairs_groups_plans_by_stages_and_schedule(tmp_path):
                        "--md", str(md)]) == 0
     text = md.read_text()
     assert "| 2 stages, persistent (dynamic) | 1 | 1.100 |" in text and "| 3 stages, static grid | 1 | 1.000 |" in text
+
+
+def write_counters_log(path: Path, rows: list[tuple[str, str, float]]) -> None:
+    """A kernel_counters.py log: header, then case, density, plan, ms, TF/s per pair."""
+    lines = ["case                             density plan    ms   TF/s"]
+    lines += [f"{case} 0.100 {plan} {ms:.3f} 500" for case, plan, ms in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_ab_counters_summary_pools_runs_per_library_and_tile_width(tmp_path):
+    ab = load("ab_counters")
+    narrow = "direct_q64k64_from_q64k64_d128_bf16_sm90a_hopper_s2w4_lpt"
+    wide = "direct_q128k128_from_q128k128_d128_bf16_sm90a_hopper_s2w8_lpt"
+    write_counters_log(tmp_path / "ab_old_1.log", [("Q64K64/a", narrow, 2.0), ("Q128K128/a", wide, 3.0)])
+    write_counters_log(tmp_path / "ab_old_2.log", [("Q64K64/a", narrow, 8.0), ("Q128K128/a", wide, 3.0)])
+    write_counters_log(tmp_path / "ab_new_1.log", [("Q64K64/a", narrow, 3.6), ("Q128K128/a", wide, 3.3)])
+    assert ab.main(["--summarize", str(tmp_path), "--order", "old,new"]) == 0
+    text = (tmp_path / "ab.md").read_text()
+    # old's two runs pool to the geometric mean 4.0 on the 64-column plan: 3.6 / 4.0 = 0.9
+    assert "| Q64K64/a | " + narrow + " | 4.000 | 3.600 | 0.900 |" in text
+    assert "| 64-column tiles | 1 | 0.9000 |" in text
+    assert "| 128-column tiles | 1 | 1.1000 |" in text
+    with pytest.raises(SystemExit):  # a library without logs is refused
+        ab.main(["--summarize", str(tmp_path), "--order", "old,other"])
