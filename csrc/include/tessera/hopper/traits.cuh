@@ -96,13 +96,14 @@ struct Traits {
       TESSERA_HOPPER_Q_REGISTERS == 2 || (TESSERA_HOPPER_Q_REGISTERS == 1 && kTileKV == 64);
   // Lazy softmax references (mainloop.cuh, online_softmax): a row's reference maximum moves only
   // when a tile's scores exceed it by more than kRescaleThreshold powers of two. Otherwise the
-  // stale reference stays, the row's probabilities reach at most 2^kRescaleThreshold (256: exact
-  // in bf16 and fp16, far from fp32's range in the sums), its alpha is exactly 1, and a warp whose
-  // rows all keep theirs skips rescaling its output accumulator. The log-sum-exp is the reference
-  // plus the log of the sum, whatever the reference. Measured on the H200 against the same build
-  // without it (benchmarks/results/h200_q_registers/lazy_rescale_ab, three runs each): 14 plans of
-  // 64-column tiles 0.965 of the time (0.928-0.988); 14 of 128-column tiles 0.995 (0.974-1.025,
-  // the Q64K64 table plans 1.015-1.025), so those keep a reference that moves on every increase.
+  // stale reference stays, the row's probabilities reach at most 2^kRescaleThreshold (256: bf16
+  // and fp16 round them with the same relative error as values below 1, and fp32 sums stay far
+  // from overflow), its alpha is exactly 1, and a warp whose rows all keep theirs skips rescaling
+  // its output accumulator. The log-sum-exp is the reference plus the log of the sum, whatever
+  // the reference. Measured on the H200 against the same build without it
+  // (benchmarks/results/h200_q_registers/lazy_rescale_ab, three runs each): 14 plans of 64-column
+  // tiles 0.965 of the time (0.928-0.988); 14 of 128-column tiles 0.995 (0.974-1.025, the Q64K64
+  // table plans 1.015-1.025), so those keep a reference that moves on every increase.
   // -DTESSERA_HOPPER_RESCALE_THRESHOLD=0 turns it off everywhere.
 #ifndef TESSERA_HOPPER_RESCALE_THRESHOLD
 #define TESSERA_HOPPER_RESCALE_THRESHOLD 8
