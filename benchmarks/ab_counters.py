@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import glob
-import math
 import os
 import re
 import subprocess
 import sys
 from collections import defaultdict
+
+from tessera_diffusers.bench.metrics import geometric_mean
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TILE = re.compile(r"_q(\d+)k(\d+)_from_")
@@ -42,17 +43,13 @@ def read_run(path: str) -> dict[tuple[str, str], float]:
     return times
 
 
-def gm(values: list[float]) -> float:
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
-
-
 def summary(runs: dict[str, list[dict]], names: list[str]) -> str:
     """Markdown: each library's pooled time per pair over the first library's, per pair and per
     tile width (the plan's KV tile columns)."""
     pooled = {}
     for name in names:
         common = set.intersection(*(set(r) for r in runs[name])) if runs[name] else set()
-        pooled[name] = {k: gm([r[k] for r in runs[name]]) for k in common}
+        pooled[name] = {k: geometric_mean(r[k] for r in runs[name]) for k in common}
     base = names[0]
     lines = []
     for name in names[1:]:
@@ -67,7 +64,7 @@ def summary(runs: dict[str, list[dict]], names: list[str]) -> str:
             lines.append(f"| {key[0]} | {key[1]} | {pooled[base][key]:.3f} | {pooled[name][key]:.3f} | {ratio:.3f} |")
         lines += ["", "| plans | n | GM ratio | min | max |", "|---|---|---|---|---|"]
         for group, ratios in sorted(groups.items()):
-            lines.append(f"| {group} | {len(ratios)} | {gm(ratios):.4f} | {min(ratios):.3f} | {max(ratios):.3f} |")
+            lines.append(f"| {group} | {len(ratios)} | {geometric_mean(ratios):.4f} | {min(ratios):.3f} | {max(ratios):.3f} |")
         lines.append("")
     return "\n".join(lines)
 
