@@ -464,7 +464,7 @@ class CopyEngineWork:
         self.engine.flush(through=self.exchange.seq)
 
     def wait(self) -> bool:
-        self.engine.flush(through=self.exchange.seq)
+        self.launch()
         stream = torch.cuda.current_stream(self.engine.device)
         stream.wait_event(self.exchange.own)
         stream.wait_event(self.exchange.pulled)
