@@ -210,6 +210,10 @@ def with_grouped_layouts(plans: list[PhysicalPlan]) -> list[PhysicalPlan]:
     return [*plans, *(p.grouped() for p in plans if p.q_layout is QLayout.NATURAL and p.groups_in_kernel)]
 
 
+# The plan table key of a mask that comes back is the request key with this suffix.
+REUSED_KEY_SUFFIX = "/reused"
+
+
 @dataclass(frozen=True)
 class Request:
     """What the selector and eligibility see of one attention call (hashable, no tensors)."""
@@ -232,7 +236,7 @@ class Request:
     def key(self) -> str:
         """The request key of the plan table."""
         key = f"{self.arch}/Q{self.block_q}K{self.block_kv}/d{self.head_dim}/{self.dtype}/bshd"
-        return f"{key}/reused" if self.reused_mask else key
+        return key + REUSED_KEY_SUFFIX if self.reused_mask else key
 
     @property
     def name(self) -> str:

@@ -4,6 +4,7 @@ JSON round trip, plain-threshold trees, and a loud refusal of anything corrupt o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -13,7 +14,7 @@ import pytest
 
 from tessera_diffusers.catalog import plans_for, portable_kernels
 from tessera_diffusers.eligibility import rejection
-from tessera_diffusers.errors import PlanTableError
+from tessera_diffusers.errors import InvalidArgumentError, PlanTableError
 from tessera_diffusers.plan_table import (
     MIXED_REGIME_REGRET,
     STAT_NAMES,
@@ -110,6 +111,29 @@ def test_too_few_cases_or_one_group_give_one_regime():
     profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST], two_regime_latency, 200, groups=1)
     table, report = compile_table(profile, CompileOptions(min_leaf=32))
     assert len(bucket_of(table).regimes) == 1 and "one CV group" in report.buckets[0].note
+
+
+def test_reused_keys_have_their_own_leaf_size():
+    """60 cases per key: too few for two leaves of 32, enough for two of 20. Only the /reused key
+    (a mask that comes back) uses ``min_leaf_reused``; the natural key keeps one regime."""
+    reused = dataclasses.replace(REQUEST, reused_mask=True)
+    profile = synthetic_profile("sm90", portable_kernels(), PLANS, [REQUEST, reused], two_regime_latency, 60, groups=4)
+    table, report = compile_table(profile, CompileOptions(min_leaf=32, min_leaf_reused=20))
+    assert len(bucket_of(table).regimes) == 1
+    split = bucket_of(table, reused)
+    assert len(split.regimes) == 2 and STAT_NAMES[split.tree.nodes[0].stat] == "density"
+    assert all(regime.cases >= 20 for regime in split.regimes)
+    assert table.provenance["min_leaf"] == 32 and table.provenance["min_leaf_reused"] == 20
+    notes = {b.key: b.note for b in report.buckets}
+    assert "< 2 x 32" in notes[REQUEST.key] and reused.key not in {k for k, n in notes.items() if "one regime" in n}
+    table, _ = compile_table(profile, CompileOptions(min_leaf=32, min_leaf_reused=None))
+    assert len(bucket_of(table, reused).regimes) == 1 and "min_leaf_reused" not in table.provenance
+
+
+@pytest.mark.parametrize("options", [{"min_leaf": 0}, {"min_leaf_reused": 0}, {"min_leaf": 2.5}, {"min_leaf_reused": True}])
+def test_compile_options_refuse_leaf_sizes_below_one(options):
+    with pytest.raises(InvalidArgumentError, match=next(iter(options))):
+        CompileOptions(**options)
 
 
 def test_cv_folds_never_split_a_group():

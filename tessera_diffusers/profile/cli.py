@@ -90,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     table.add_argument("--table", type=Path, default=None, help="where to write it (default DIR/plan_table_<arch>.json)")
     table.add_argument("--arch", default=None, help="architecture to build for when the records hold several")
     table.add_argument("--min-leaf", type=int, default=32, help="profiled cases per regime at least")
+    table.add_argument("--min-leaf-reused", type=int, default=None,
+                       help="the same for the /reused keys, masks that come back (default 20; 0: --min-leaf)")
     table.add_argument("--max-depth", type=int, default=4, help="deepest regime tree cross-validation may choose")
     table.add_argument("--folds", type=int, default=5, help="GroupKFold folds (groups: corpus sources)")
 
@@ -139,12 +141,14 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
 
 
 def build_table(records: Sequence[Path], out: Path | None, out_dir: Path, arch: str | None,
-                min_leaf: int, max_depth: int, folds: int, log=print) -> Path:
-    """Compile the records into a table file and a report next to it. Raises ``PlanTableError``."""
+                min_leaf: int, max_depth: int, folds: int, log=print, min_leaf_reused: int | None = None) -> Path:
+    """Compile the records into a table file and a report next to it. Raises ``PlanTableError``.
+    ``min_leaf_reused``: None keeps ``CompileOptions``' default, 0 makes it ``min_leaf``."""
     from .compile import CompileOptions, compile_table, load_profile
 
     profile = load_profile(records, arch)
-    options = CompileOptions(FeatureSchema(), min_leaf=min_leaf, max_depth=max_depth, folds=folds)
+    reused = {} if min_leaf_reused is None else {"min_leaf_reused": min_leaf_reused or None}
+    options = CompileOptions(FeatureSchema(), min_leaf=min_leaf, max_depth=max_depth, folds=folds, **reused)
     try:
         table, report = compile_table(profile, options, {"records": [str(p) for p in records]})
     except ImportError as err:
@@ -192,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     elif not args.no_compile:
         try:
             build_table(args.records or [records_path], args.table, out_dir, args.arch, args.min_leaf,
-                        args.max_depth, args.folds)
+                        args.max_depth, args.folds, min_leaf_reused=args.min_leaf_reused)
         except PlanTableError as err:
             print(f"tessera profile: no table built: {err}", file=sys.stderr)
             if args.compile_only:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
@@ -54,7 +54,7 @@ from types import MappingProxyType
 import numpy as np
 
 from ..cost_model import PlanEstimator, area_is_measured
-from ..errors import PlanTableError
+from ..errors import InvalidArgumentError, PlanTableError
 from ..mask_state import NUM_STATS
 from ..plan_table import (
     CONTENDER_REGRET,
@@ -72,7 +72,7 @@ from ..plan_table import (
     plan_from_dict,
     tile_group,
 )
-from ..plans import KernelSpec, PhysicalPlan, Request
+from ..plans import REUSED_KEY_SUFFIX, KernelSpec, PhysicalPlan, Request
 from .records import read_records, request_from_dict, timing_method
 
 # Regret charged in cross-validation when no ranked plan is valid on a held-out case.
@@ -110,6 +110,12 @@ class Profile:
 class CompileOptions:
     features: FeatureSchema = field(default_factory=FeatureSchema)
     min_leaf: int = 32  # cases per leaf (regime) at least
+    # The same for the ``/reused`` keys (masks that come back), whose profiles hold fewer cases per
+    # key (25-150 on the H200): at 32 a key of fewer than 64 cases cannot split at all. With 20,
+    # Q32K32/reused splits on the mean run length and its held-out (leave-one-source-out) regret
+    # falls from 1.103 to 1.010, while the natural keys split at 20 did no better on held-out masks
+    # (benchmarks/results/h200_reprofile_q_registers). None: ``min_leaf``.
+    min_leaf_reused: int | None = 20
     max_depth: int = 4
     folds: int = 5
     ranking_length: int = 8  # plans per regime before the base plan
@@ -122,6 +128,21 @@ class CompileOptions:
     # regret by more than this.
     choice_margin: float = 0.002
     choice_min_cases: int = 16  # fewer profiled cases in a regime: its ranking, nothing else is judged
+
+    def __post_init__(self) -> None:
+        for name in ("min_leaf", "min_leaf_reused"):
+            value = getattr(self, name)
+            if value is None and name == "min_leaf_reused":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(name, "a positive count of cases per regime" +
+                                           (" or None" if name == "min_leaf_reused" else ""), repr(value))
+
+    def for_key(self, key: str) -> CompileOptions:
+        """The options of one request key: ``min_leaf_reused`` as its ``min_leaf`` for a ``/reused`` key."""
+        if self.min_leaf_reused is None or not key.endswith(REUSED_KEY_SUFFIX) or self.min_leaf_reused == self.min_leaf:
+            return self
+        return replace(self, min_leaf=self.min_leaf_reused)
 
 
 @dataclass(frozen=True)
@@ -275,7 +296,7 @@ def compile_table(profile: Profile, options: CompileOptions = CompileOptions(),
         buckets = {}
         for bucket, cases in sorted(by_bucket.items()):
             label = schema.buckets.label(bucket)
-            fitted = fit_bucket(key, bucket, label, cases, columns, base, options, profile.plans)
+            fitted = fit_bucket(key, bucket, label, cases, columns, base, options.for_key(key), profile.plans)
             if isinstance(fitted, str):
                 warnings.append(f"{key} {label}: {fitted}")
                 continue
@@ -293,6 +314,7 @@ def compile_table(profile: Profile, options: CompileOptions = CompileOptions(),
         "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cases": len(profile.cases),
         "min_leaf": options.min_leaf,
+        **({"min_leaf_reused": options.min_leaf_reused} if options.min_leaf_reused is not None else {}),
         "max_depth": options.max_depth,
         "folds": options.folds,
         **({"kernel_sources": list(profile.kernel_sources)} if profile.kernel_sources else {}),
