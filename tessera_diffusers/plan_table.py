@@ -323,13 +323,17 @@ class PlanTable:
         profiled = sorted({profiled} if isinstance(profiled, str) else set(profiled))
         if profiled == [library]:
             return None
-        advice = "re-profile with `tessera profile` after changing the kernels"
+        # The hash covers the kernel sources, nvcc flags and tool versions: a library built from
+        # the same sources with another nvcc or arch list differs too, and its kernels may time
+        # differently; say so rather than suggest the kernels were edited.
+        advice = ("the kernel sources, nvcc flags (TESSERA_CUDA_ARCHS, TESSERA_NVCC_FLAGS) or nvcc / CUTLASS "
+                  "versions differ; the table is still used, and `tessera profile` builds one for this library")
         if library in profiled:
             others = [h for h in profiled if h != library]
             return (f"part of plan table {self.name} was profiled on kernels built from other sources "
-                    f"({', '.join(others)}) than the loaded library ({library}); {advice}")
+                    f"({', '.join(others)}) than the loaded library ({library}): {advice}")
         return (f"plan table {self.name} was profiled on kernels built from sources {', '.join(profiled)}, "
-                f"the loaded library from {library}: its rankings may be stale; {advice}")
+                f"the loaded library from {library}: its rankings may be stale ({advice})")
 
     def to_dict(self) -> dict:
         """The artifact (with format, schema version and checksum), ready for ``json.dump``."""
