@@ -128,6 +128,10 @@ def test_reused_keys_have_their_own_leaf_size():
     assert "< 2 x 32" in notes[REQUEST.key] and reused.key not in {k for k, n in notes.items() if "one regime" in n}
     table, _ = compile_table(profile, CompileOptions(min_leaf=32, min_leaf_reused=None))
     assert len(bucket_of(table, reused).regimes) == 1 and "min_leaf_reused" not in table.provenance
+    # A smaller min_leaf holds for the /reused keys too: min_leaf_reused only ever lowers it.
+    assert CompileOptions(min_leaf=8).for_key(reused.key).min_leaf == 8
+    assert CompileOptions(min_leaf=32).for_key(reused.key).min_leaf == 20
+    assert CompileOptions(min_leaf=32).for_key(REQUEST.key).min_leaf == 32
 
 
 @pytest.mark.parametrize("options", [{"min_leaf": 0}, {"min_leaf_reused": 0}, {"min_leaf": 2.5}, {"min_leaf_reused": True}])

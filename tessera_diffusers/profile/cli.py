@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     table.add_argument("--arch", default=None, help="architecture to build for when the records hold several")
     table.add_argument("--min-leaf", type=int, default=32, help="profiled cases per regime at least")
     table.add_argument("--min-leaf-reused", type=int, default=None,
-                       help="the same for the /reused keys, masks that come back (default 20; 0: --min-leaf)")
+                       help="the same for the /reused keys, masks that come back (default 20, never above --min-leaf; 0: --min-leaf)")
     table.add_argument("--max-depth", type=int, default=4, help="deepest regime tree cross-validation may choose")
     table.add_argument("--folds", type=int, default=5, help="GroupKFold folds (groups: corpus sources)")
 

@@ -114,7 +114,7 @@ class CompileOptions:
     # key (25-150 on the H200): at 32 a key of fewer than 64 cases cannot split at all. With 20,
     # Q32K32/reused splits on the mean run length and its held-out (leave-one-source-out) regret
     # falls from 1.103 to 1.010, while the natural keys split at 20 did no better on held-out masks
-    # (benchmarks/results/h200_reprofile_q_registers). None: ``min_leaf``.
+    # (benchmarks/results/h200_reprofile_q_registers). None: ``min_leaf``; never above it.
     min_leaf_reused: int | None = 20
     max_depth: int = 4
     folds: int = 5
@@ -139,8 +139,9 @@ class CompileOptions:
                                            (" or None" if name == "min_leaf_reused" else ""), repr(value))
 
     def for_key(self, key: str) -> CompileOptions:
-        """The options of one request key: ``min_leaf_reused`` as its ``min_leaf`` for a ``/reused`` key."""
-        if self.min_leaf_reused is None or not key.endswith(REUSED_KEY_SUFFIX) or self.min_leaf_reused == self.min_leaf:
+        """The options of one request key: for a ``/reused`` key, ``min_leaf`` lowered to
+        ``min_leaf_reused`` (never raised: a smaller ``min_leaf`` holds for every key)."""
+        if self.min_leaf_reused is None or not key.endswith(REUSED_KEY_SUFFIX) or self.min_leaf_reused >= self.min_leaf:
             return self
         return replace(self, min_leaf=self.min_leaf_reused)
 
