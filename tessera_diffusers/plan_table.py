@@ -327,7 +327,7 @@ class PlanTable:
         # the same sources with another nvcc or arch list differs too, and its kernels may time
         # differently; say so rather than suggest the kernels were edited.
         advice = ("the kernel sources, nvcc flags (TESSERA_CUDA_ARCHS, TESSERA_NVCC_FLAGS) or nvcc / CUTLASS "
-                  "versions differ; the table is still used, and `tessera profile` builds one for this library")
+                  "versions differ; the table is still used, re-profile with `tessera profile` to fit it to this library")
         if library in profiled:
             others = [h for h in profiled if h != library]
             return (f"part of plan table {self.name} was profiled on kernels built from other sources "
