@@ -479,3 +479,19 @@ def test_ab_counters_summary_pools_runs_per_library_and_tile_width(tmp_path):
     assert "| 128-column tiles | 1 | 1.1000 |" in text
     with pytest.raises(SystemExit):  # a library without logs is refused
         ab.main(["--summarize", str(tmp_path), "--order", "old,other"])
+
+
+def test_warpgroup_idle_counts_one_sided_tiles_in_both_orders():
+    """Two query blocks with disjoint key sets {0, 2} and {1, 3}: ascending packing gives tiles
+    (0, 1), (2, 3), where each warpgroup has a block; shared-first order packs (0, 2), (1, 3), and
+    each warpgroup idles on one of them. Blocks {0..3} and {0, 4}: one idle tile each, either way."""
+    study = load("warpgroup_idle")
+    blocks = torch.zeros(1, 2, 4, dtype=torch.bool)
+    blocks[0, 0, [0, 2]] = True
+    blocks[0, 1, [1, 3]] = True
+    assert study.warpgroup_idle(blocks) == (2, 0.0, 0.5)
+    blocks = torch.zeros(1, 2, 5, dtype=torch.bool)
+    blocks[0, 0, :4] = True
+    blocks[0, 1, [0, 4]] = True
+    tiles, now, ordered = study.warpgroup_idle(blocks)
+    assert tiles == 3 and now == pytest.approx(1 / 3) and ordered == pytest.approx(1 / 3)

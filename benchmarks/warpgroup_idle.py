@@ -1,0 +1,94 @@
+"""How often a consumer warpgroup of the Hopper 128-row tiles has nothing to do, on the Q64K64
+masks (CPU only; corpus masks at N = 32,768, H = 24).
+
+In the grouped-packed 128 x 128 plan of a 64 x 64 mask, each task pairs two query blocks (the
+grouped order of ``regroup.group_query_blocks``), and each of its KV tiles packs two 64-token key
+blocks of their union. One consumer warpgroup owns each query block's 64 rows. A (warpgroup,
+tile) pair is *idle* when neither of the tile's key blocks is in the warpgroup's set: its
+scores are all masked, yet it runs both GEMMs and the softmax.
+
+Two orders of a task's key blocks are counted:
+- ``now``: the union in ascending order, as ``prepare`` packs it today (checked against the
+  metadata ``prepare_grouped`` builds: the same tiles and idle pairs);
+- ``sorted``: the blocks both query blocks attend first, then those only the first attends, then
+  those only the second attends. Same tiles, more of them one-sided.
+
+The idle share is an upper bound on the consumer work a per-warpgroup skip could save. The
+producer's loads and the other warpgroup's work stay.
+
+    python benchmarks/warpgroup_idle.py --families Q64K64-HD,Q64K64,Q64K64-DD --cases 5 --heads 4 --md OUT.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
+from tessera_diffusers.regroup import group_query_blocks
+
+
+def idle_pairs(order: torch.Tensor, sets: list[torch.Tensor]) -> int:
+    """Idle (query block, tile) pairs when ``order`` (key block indices) is packed two per tile."""
+    n_tiles = -(-order.numel() // 2)
+    cols = torch.nn.functional.pad(order, (0, 2 * n_tiles - order.numel()), value=-1).view(n_tiles, 2)
+    valid = cols >= 0
+    return sum(int((~(s[cols.clamp(min=0)] & valid).any(1)).sum()) for s in sets)
+
+
+def warpgroup_idle(blocks: torch.Tensor) -> tuple[int, float, float]:
+    """(tiles, idle share now, idle share sorted) of ``blocks [H, nQ, nKV]`` (bool, 64 x 64 blocks)."""
+    heads, n_q, _ = blocks.shape
+    order = group_query_blocks(blocks[None], 2)[0]
+    tiles = pairs = idle_now = idle_sorted = 0
+    for h in range(heads):
+        units = [u for u in order[h].tolist() if 0 <= u < n_q]
+        for t in range(0, len(units), 2):
+            sets = [blocks[h, u] for u in units[t:t + 2]]
+            union = torch.stack(sets).any(0)
+            cols = union.nonzero().flatten()
+            if cols.numel() == 0:
+                continue
+            n_tiles = -(-cols.numel() // 2)
+            tiles += n_tiles
+            pairs += n_tiles * len(sets)
+            idle_now += idle_pairs(cols, sets)
+            if len(sets) == 2:
+                a, b = sets
+                cols = torch.cat([(a & b).nonzero().flatten(), (a & ~b).nonzero().flatten(),
+                                  (b & ~a).nonzero().flatten()])
+            idle_sorted += idle_pairs(cols, sets)
+    return tiles, idle_now / max(pairs, 1), idle_sorted / max(pairs, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", default="Q64K64-HD,Q64K64,Q64K64-DD")
+    parser.add_argument("--cases", type=int, default=5, help="evaluation cases per family (one per source)")
+    parser.add_argument("--heads", type=int, default=4, help="heads of each case to count (the first ones)")
+    parser.add_argument("--md", type=Path, default=None)
+    args = parser.parse_args(argv)
+    lines = ["| case | density | tiles | idle (warpgroup, tile) pairs now | sorted: shared blocks first |",
+             "|---|---|---|---|---|"]
+    for family in args.families.split(","):
+        cases = list(enumerate_cases("evaluation", families=[family], grids=[BENCH_32K], seeds_per_combo=1))
+        for case in cases[: args.cases]:
+            mask = case.build()
+            if (mask.block_q, mask.block_kv) != (64, 64):
+                print(f"{case.name}: blocks {mask.block_q} x {mask.block_kv}, not 64 x 64; skipped", file=sys.stderr)
+                continue
+            blocks = mask.blocks[0, : args.heads].bool()
+            tiles, now, ordered = warpgroup_idle(blocks)
+            lines.append(f"| {case.name} | {float(blocks.float().mean()):.3f} | {tiles} | {now:.3f} | {ordered:.3f} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    if args.md:
+        args.md.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
