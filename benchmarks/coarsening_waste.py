@@ -14,12 +14,9 @@ the computed area: it bounds what any coarsened tile mapping can reach on these 
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 
-from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
+from tessera_diffusers.corpus import BENCH_32K, study_cases, study_parser
 from tessera_diffusers.mask_state import group_activity
 
 TILES = ((128, 128), (64, 128), (128, 64), (64, 64))
@@ -39,31 +36,26 @@ def reorder(blocks: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="Q16K16,Q32K16,Q32K32,Q64K64")
-    parser.add_argument("--cases", type=int, default=5, help="evaluation cases per family (one per source)")
-    parser.add_argument("--md", type=Path, default=None)
+    parser = study_parser(__doc__, "Q16K16,Q32K16,Q32K32,Q64K64", heads=False)
     args = parser.parse_args(argv)
     header = ("| case | density | " + " | ".join(f"{q}x{k}" for q, k in TILES)
               + " | 128x128, centroid order | 128x128, first-block order |")
     lines = [header, "|---|---|" + "---|" * (len(TILES) + 2)]
-    for family in args.families.split(","):
-        cases = list(enumerate_cases("evaluation", families=[family], grids=[BENCH_32K], seeds_per_combo=1))
-        for case in cases[: args.cases]:
-            mask = case.build()
-            blocks = mask.blocks[0]
-            bq, bkv = mask.block_q, mask.block_kv
-            active = int(blocks.sum()) * bq * bkv
-            ratios = [computed_area(blocks, q, k, bq, bkv) / active for q, k in TILES]
-            index = torch.arange(blocks.shape[-1], dtype=torch.float32)
-            count = blocks.sum(-1).clamp(min=1)
-            centroid = (blocks.float() * index).sum(-1) / count
-            first = torch.where(blocks.any(-1), blocks.float().argmax(-1), blocks.shape[-1]).float()
-            extra = [computed_area(reorder(blocks, key), 128, 128, bq, bkv) / active
-                     for key in (centroid, first * 4096 + count)]
-            row = f"| {case.name} | {mask.density():.3f} | " + " | ".join(f"{r:.2f}" for r in ratios + extra) + " |"
-            lines.append(row)
-            print(row, flush=True)
+    for case in study_cases(args.families.split(","), args.cases, BENCH_32K):
+        mask = case.build()
+        blocks = mask.blocks[0]
+        bq, bkv = mask.block_q, mask.block_kv
+        active = int(blocks.sum()) * bq * bkv
+        ratios = [computed_area(blocks, q, k, bq, bkv) / active for q, k in TILES]
+        index = torch.arange(blocks.shape[-1], dtype=torch.float32)
+        count = blocks.sum(-1).clamp(min=1)
+        centroid = (blocks.float() * index).sum(-1) / count
+        first = torch.where(blocks.any(-1), blocks.float().argmax(-1), blocks.shape[-1]).float()
+        extra = [computed_area(reorder(blocks, key), 128, 128, bq, bkv) / active
+                 for key in (centroid, first * 4096 + count)]
+        row = f"| {case.name} | {mask.density():.3f} | " + " | ".join(f"{r:.2f}" for r in ratios + extra) + " |"
+        lines.append(row)
+        print(row, flush=True)
     if args.md is not None:
         args.md.write_text("# Computed / active token pairs of coarsened-Q, packed-KV tiles (corpus, N = 32,768, "
                            "H = 24)\n\n" + "\n".join(lines) + "\n")

@@ -11,13 +11,11 @@ of the tile: what a whole-tile skip per warp would save.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
+from tessera_diffusers.corpus import BENCH_32K, study_cases, study_parser
 
 # (tile_q, tile_kv, query rows per warp): the portable 128 x 64 tile with 4 and 8 warps, 64 x 64 with 4
 SHAPES = ((128, 64, 32), (128, 64, 16), (64, 64, 16))
@@ -50,22 +48,16 @@ def tile_fill(blocks: torch.Tensor, block_q: int, block_kv: int, tile_q: int, ti
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="Q16K16,Q32K16,Q32K32")
-    parser.add_argument("--cases", type=int, default=5, help="evaluation cases per family (one per source)")
-    parser.add_argument("--heads", type=int, default=4, help="heads of each case to count (the first ones)")
-    parser.add_argument("--md", type=Path, default=None)
+    parser = study_parser(__doc__, "Q16K16,Q32K16,Q32K32")
     args = parser.parse_args(argv)
     lines = ["| case | " + " | ".join(f"{q}x{k}, {w} rows/warp: fill / warp idle" for q, k, w in SHAPES) + " |",
              "|---|" + "---|" * len(SHAPES)]
-    for family in args.families.split(","):
-        cases = list(enumerate_cases("evaluation", families=[family], grids=[BENCH_32K], seeds_per_combo=1))
-        for case in cases[: args.cases]:
-            mask = case.build()
-            blocks = mask.blocks[0, : args.heads]
-            cells = [tile_fill(blocks, mask.block_q, mask.block_kv, q, k, w) for q, k, w in SHAPES]
-            lines.append(f"| {case.name} | " + " | ".join(f"{f:.2f} / {i:.2f}" for f, i in cells) + " |")
-            print(lines[-1], flush=True)
+    for case in study_cases(args.families.split(","), args.cases, BENCH_32K):
+        mask = case.build()
+        blocks = mask.blocks[0, : args.heads]
+        cells = [tile_fill(blocks, mask.block_q, mask.block_kv, q, k, w) for q, k, w in SHAPES]
+        lines.append(f"| {case.name} | " + " | ".join(f"{f:.2f} / {i:.2f}" for f, i in cells) + " |")
+        print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.md:
         args.md.write_text(text)

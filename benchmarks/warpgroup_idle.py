@@ -21,13 +21,11 @@ producer's loads and the other warpgroup's work stay.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
+from tessera_diffusers.corpus import BENCH_32K, study_cases, study_parser
 from tessera_diffusers.regroup import group_query_blocks
 
 
@@ -65,28 +63,24 @@ def warpgroup_idle(blocks: torch.Tensor) -> tuple[int, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="Q64K64-HD,Q64K64,Q64K64-DD")
-    parser.add_argument("--cases", type=int, default=5, help="evaluation cases per family (one per source)")
-    parser.add_argument("--heads", type=int, default=4, help="heads of each case to count (the first ones)")
-    parser.add_argument("--md", type=Path, default=None)
+    parser = study_parser(__doc__, "Q64K64-HD,Q64K64,Q64K64-DD")
     args = parser.parse_args(argv)
     lines = ["| case | density | tiles | idle (warpgroup, tile) pairs now | sorted: shared blocks first |",
              "|---|---|---|---|---|"]
-    for family in args.families.split(","):
-        cases = list(enumerate_cases("evaluation", families=[family], grids=[BENCH_32K], seeds_per_combo=1))
-        for case in cases[: args.cases]:
-            mask = case.build()
-            if (mask.block_q, mask.block_kv) != (64, 64):
-                print(f"{case.name}: blocks {mask.block_q} x {mask.block_kv}, not 64 x 64; skipped", file=sys.stderr)
-                continue
-            blocks = mask.blocks[0, : args.heads].bool()
-            tiles, now, ordered = warpgroup_idle(blocks)
-            lines.append(f"| {case.name} | {float(blocks.float().mean()):.3f} | {tiles} | {now:.3f} | {ordered:.3f} |")
-            print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.md:
-        args.md.write_text(text)
+    for case in study_cases(args.families.split(","), args.cases, BENCH_32K):
+        mask = case.build()
+        if (mask.block_q, mask.block_kv) != (64, 64):
+            print(f"{case.name}: blocks {mask.block_q} x {mask.block_kv}, not 64 x 64; skipped", file=sys.stderr)
+            continue
+        blocks = mask.blocks[0, : args.heads].bool()
+        tiles, now, ordered = warpgroup_idle(blocks)
+        row = f"| {case.name} | {float(blocks.float().mean()):.3f} | {tiles} | {now:.3f} | {ordered:.3f} |"
+        lines.append(row)
+        print(row, flush=True)
+    if args.md is not None:
+        title = (f"# Idle (consumer warpgroup, KV tile) pairs of the grouped-packed 128 x 128 plan "
+                 f"(corpus masks, N = 32,768, first {args.heads} heads)")
+        args.md.write_text(title + "\n\n" + "\n".join(lines) + "\n")
     return 0
 
 

@@ -24,6 +24,8 @@ from .cases import (
     enumerate_cases,
     split_of,
     split_seeds,
+    study_cases,
+    study_parser,
 )
 from .families import ALL_SOURCES, FAMILIES, NINE_FAMILIES, SSTA_SOURCE, VIDEO_SOURCES, MaskFamily, family_named
 from .grids import BENCH_32K, GRIDS, HV_480P, HV_720P, WAN_480P, WAN_720P, LatentGrid, TokenLayout, grid_named
@@ -59,4 +61,6 @@ __all__ = [
     "save_corpus",
     "split_of",
     "split_seeds",
+    "study_cases",
+    "study_parser",
 ]
