@@ -13,6 +13,13 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int above 0 (not a bool), else ``InvalidArgumentError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(name, "a positive int", repr(value))
+    return value
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,

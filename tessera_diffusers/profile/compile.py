@@ -54,7 +54,7 @@ from types import MappingProxyType
 import numpy as np
 
 from ..cost_model import PlanEstimator, area_is_measured
-from ..errors import InvalidArgumentError, PlanTableError
+from ..errors import PlanTableError
 from ..mask_state import NUM_STATS
 from ..plan_table import (
     CONTENDER_REGRET,
@@ -73,6 +73,7 @@ from ..plan_table import (
     tile_group,
 )
 from ..plans import REUSED_KEY_SUFFIX, KernelSpec, PhysicalPlan, Request
+from ..validation import check_positive_int
 from .records import read_records, request_from_dict, timing_method
 
 # Regret charged in cross-validation when no ranked plan is valid on a held-out case.
@@ -130,13 +131,9 @@ class CompileOptions:
     choice_min_cases: int = 16  # fewer profiled cases in a regime: its ranking, nothing else is judged
 
     def __post_init__(self) -> None:
-        for name in ("min_leaf", "min_leaf_reused"):
-            value = getattr(self, name)
-            if value is None and name == "min_leaf_reused":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(name, "a positive count of cases per regime" +
-                                           (" or None" if name == "min_leaf_reused" else ""), repr(value))
+        check_positive_int("min_leaf", self.min_leaf)
+        if self.min_leaf_reused is not None:
+            check_positive_int("min_leaf_reused", self.min_leaf_reused)
 
     def for_key(self, key: str) -> CompileOptions:
         """The options of one request key: for a ``/reused`` key, ``min_leaf`` lowered to

@@ -19,15 +19,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..mask import LogicalMask
+from ..validation import check_positive_int
 
 if TYPE_CHECKING:
     from .layout import TileLayout
-
-
-def check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgumentError(name, "a positive int", repr(value))
-    return value
 
 
 def check_triple(name: str, value: object) -> tuple[int, int, int]:
