@@ -78,6 +78,12 @@ struct Traits {
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = kWarpgroups == 2 ? 232 : 216;
   static constexpr int kMaxSlots = kTileKV / 16;
+  // Membership masking (mainloop.cuh, mask_scores) builds a thread's column bits as one span per
+  // active KV slot, not one test per n8 block. -DTESSERA_HOPPER_SLOT_SPANS=0 keeps the test per
+  // n8 block.
+#ifndef TESSERA_HOPPER_SLOT_SPANS
+#define TESSERA_HOPPER_SLOT_SPANS 1
+#endif
 
   // Q K^T with Q in registers: each consumer thread loads its share of the task's Q from shared
   // memory once (ldmatrix) and every Q K^T reads only K there (rs wgmma). With Q in shared memory
