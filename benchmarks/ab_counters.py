@@ -11,7 +11,8 @@ plan (a change that touches only some kernels leaves the others as the same call
         --case Q16K16/sliding_tile --case Q64K64/sliding_tile --plan 'hopper_s2w4_lpt$' --reps 12
 
 Writes ``DIR/ab_<library>_<n>.log`` (the runs) and ``DIR/ab.md`` (the summary), and prints the
-summary. ``--summarize DIR`` rebuilds the summary from such logs alone (no GPU), the libraries
+summary. ``--pythonpath NAME=DIR`` runs one library's side with another tree's Python package
+(a build whose preparation differs, e.g. its packing). ``--summarize DIR`` rebuilds the summary from such logs alone (no GPU), the libraries
 ordered as in ``--order``.
 """
 
@@ -84,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="directory of the run logs and ab.md")
     parser.add_argument("--lib", action="append", default=[], metavar="NAME=PATH",
                         help="a library to time (repeatable); the first is the one the others are compared with")
+    parser.add_argument("--pythonpath", action="append", default=[], metavar="NAME=DIR",
+                        help="run library NAME's kernel_counters with DIR first on PYTHONPATH (a tree whose "
+                             "tessera_diffusers holds the Python side of that build, e.g. its packing)")
     parser.add_argument("--order", required=True,
                         help="comma-separated library names, one kernel_counters run each (with --summarize: "
                              "the libraries, the first compared with the others)")
@@ -111,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--lib expects NAME=PATH, got {bad}")
     libs = dict(spec.split("=", 1) for spec in args.lib)
     names = list(libs)
+    bad = [spec for spec in args.pythonpath if "=" not in spec or spec.split("=", 1)[0] not in libs]
+    if bad:
+        parser.error(f"--pythonpath expects NAME=DIR with NAME given by --lib, got {bad}")
+    trees = dict(spec.split("=", 1) for spec in args.pythonpath)
     order = args.order.split(",")
     unknown = sorted(set(order) - set(libs))
     if unknown:
@@ -124,9 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         command += ["--plan", plan]
     for i, name in enumerate(order):
         log = os.path.join(args.out, f"ab_{name}_{sum(n == name for n in order[:i]) + 1}.log")
+        env = {**os.environ, "TESSERA_NATIVE_LIB": libs[name]}
+        if name in trees:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(trees[name]), env.get("PYTHONPATH")) if p)
         with open(log, "w") as f:
             rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False,
-                                env={**os.environ, "TESSERA_NATIVE_LIB": libs[name]}).returncode
+                                env=env).returncode
         times = read_run(log)
         with open(log) as f:
             mismatches = f.read().count("ORACLE")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -479,6 +481,26 @@ def test_ab_counters_summary_pools_runs_per_library_and_tile_width(tmp_path):
     assert "| 128-column tiles | 1 | 1.1000 |" in text
     with pytest.raises(SystemExit):  # a library without logs is refused
         ab.main(["--summarize", str(tmp_path), "--order", "old,other"])
+
+
+def test_ab_counters_runs_a_library_with_its_own_python_tree(tmp_path, monkeypatch):
+    """--pythonpath NAME=DIR puts DIR first on that library's runs' PYTHONPATH and no other's; a
+    name that no --lib gives is refused."""
+    ab = load("ab_counters")
+    seen = []
+
+    def fake_run(command, stdout, env, **kwargs):
+        seen.append((env["TESSERA_NATIVE_LIB"], env.get("PYTHONPATH")))
+        stdout.write("")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_run)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    base = ["--out", str(tmp_path), "--lib", "a=/la.so", "--lib", "b=/lb.so", "--case", "Q64K64/x", "--plan", "p"]
+    assert ab.main(base + ["--pythonpath", f"b={tmp_path}", "--order", "b,a"]) == 0
+    assert seen == [("/lb.so", os.pathsep.join([str(tmp_path), "/elsewhere"])), ("/la.so", "/elsewhere")]
+    with pytest.raises(SystemExit):
+        ab.main(base + ["--pythonpath", f"c={tmp_path}", "--order", "a"])
 
 
 def test_warpgroup_idle_counts_one_sided_tiles_in_both_orders():
