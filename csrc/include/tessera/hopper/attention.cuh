@@ -103,6 +103,16 @@ __device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
   const bool tma_store = T::kTmaStore && tma.o_store != 0;
   const PingPong<T> turns{ctid / 128};
   turns.start();
+  // The Q buffer whose O the TMA-store epilogue's copy may still be reading: the thread that issued
+  // the copy (stores_o) releases it after the next task's first Q K^T is issued, or before a task
+  // without tiles, or at the end (epilogue.cuh).
+  uint64_t* stored_q = nullptr;
+  auto release_stored = [&] {
+    if (T::kTmaStore && stored_q != nullptr) {
+      if (stores_o()) release_after_store<kDynamic>(stored_q);
+      stored_q = nullptr;
+    }
+  };
   auto one_task = [&](const Task& t) {
     RowState<decltype(partition_fragment_C(mmas.pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{}))> st;
     static_assert(decltype(size(st.o))::value == T::kHeadDim / 2, "output accumulator: D / 2 values per thread");
@@ -111,14 +121,17 @@ __device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
     st.row_sum[0] = st.row_sum[1] = 0.f;
     const bool tiles = t.tile_end > t.tile_begin;
     if (tiles) {
-      consume_task<T, kDynamic>(p, t, q_operand, mmas, views, st, bar, read_k, read_v, read_q, turns, tma_store);
-    } else if constexpr (kDynamic) {
-      Barrier::arrive(&bar.q_empty[read_q.stage]);  // a task with no tile: only its empty rows are written
+      consume_task<T, kDynamic>(p, t, q_operand, mmas, views, st, bar, read_k, read_v, read_q, turns, tma_store,
+                                release_stored);
+    } else {
+      release_stored();
+      if constexpr (kDynamic) Barrier::arrive(&bar.q_empty[read_q.stage]);  // no tile: only empty rows are written
     }
     if (T::kTmaStore && tma_store && tiles) {
       const int qs = read_q.stage;
       store_output_tma<T, kDynamic>(p, tma, t, st.o, st.row_max, st.row_sum, views.row_of_half, sQ(_, _, qs), thr_pv,
                                     raw_pointer_cast(sQ.data()) + T::q_buffer_offset(qs), &bar.q_empty[qs]);
+      stored_q = &bar.q_empty[qs];
     } else {
       store_output<T>(p, t, st.o, st.row_max, st.row_sum, views.coords_o, views.row_of_half);
     }
@@ -129,7 +142,7 @@ __device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
     while (true) {
       Barrier::wait(&bar.q_full[read_q.stage], read_q.phase);
       const Task t = handed_task(bar.task[read_q.stage]);
-      if (t.b < 0) return;
+      if (t.b < 0) break;
       one_task(t);
       read_q.advance();  // every task, with tiles or not, came through a Q buffer
     }
@@ -137,6 +150,7 @@ __device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
     const int64_t tasks = num_tasks(p);
     for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) one_task(decode_task(p, task_id));
   }
+  release_stored();  // the last copy reads shared memory before the CTA exits
 }
 
 // kDynamic: a persistent grid that takes its tasks from p.task_counter. It is its own kernel: with

@@ -106,11 +106,24 @@ __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
 }
 
 // The warpgroup's 64 rows of O, normalized and converted, into its own rows of the task's Q buffer
-// `sO` (kTileQ x D, its Q K^T products are done; the other warpgroup reads only its own rows), then
-// one thread stores them with TMA, a box per 64-column half (per query unit and half in the grouped
-// layout), and waits for the copy's shared-memory reads; then the buffer is released on `q_empty`
-// (by every consumer thread in a dynamically scheduled grid, else by one lane per warp). Rows past
-// Sq are clipped by the TMA unit. Only for launches without split-K (p.num_splits == 1).
+// `sO` (kTileQ x D, its Q K^T products are done; the other warpgroup reads only its own rows), two
+// adjacent columns per 32-bit store, then one thread (the warpgroup's first, `stores_o`) stores them
+// with TMA, a box per 64-column half (per query unit and half in the grouped layout). The buffer is
+// released on `q_empty` (by every consumer thread in a dynamically scheduled grid, else by one lane
+// per warp): by every releasing thread but that one at once, and by that one only once the copy has
+// read shared memory (release_after_store), which the consumer loop defers until it has issued the
+// next task's first Q K^T, so the warpgroup does not wait on the copy. q_empty completes only with
+// every arrival, so the producer refills the buffer only after the copy has read it. Rows past Sq
+// are clipped by the TMA unit. Only for launches without split-K (p.num_splits == 1).
+__device__ __forceinline__ bool stores_o() { return (threadIdx.x & 127) == 0; }
+
+// The thread that stored O from a Q buffer (stores_o) releases it once the copy has read it.
+template <bool kDynamic>
+__device__ __forceinline__ void release_after_store(uint64_t* q_empty) {
+  tma_store_wait<0>();  // the copy has read shared memory; its global writes complete on their own
+  release_q<kDynamic>(q_empty);
+}
+
 template <class T, bool kDynamic, class FragO, class SmemO, class ThrMma>
 __device__ __forceinline__ void store_output_tma(const TesseraAttnParams& p, const TmaDescriptors& tma, const Task& t,
                                                  const FragO& o, const float (&row_max)[2], const float (&row_sum)[2],
@@ -121,12 +134,19 @@ __device__ __forceinline__ void store_output_tma(const TesseraAttnParams& p, con
   Tensor tOsO = thr_pv.partition_C(sO);
   static_assert(decltype(size(tOsO))::value == decltype(size(o))::value, "O in shared memory: the accumulator's values");
   cutlass::arch::fence_view_async_shared();  // after the wgmma reads of these rows, before generic writes
+  // Values e and e + 1 are adjacent columns from an even one: the 128-byte swizzle moves 16-byte
+  // chunks, so the pair stays adjacent and 4-byte aligned in shared memory.
   CUTE_UNROLL
-  for (int e = 0; e < size(o); ++e) tOsO(e) = static_cast<Element>(o(e) * r.inv[(e >> 1) & 1]);
+  for (int e = 0; e < size(o); e += 2) {
+    const float inv = r.inv[(e >> 1) & 1];
+    const Element e0 = static_cast<Element>(o(e) * inv), e1 = static_cast<Element>(o(e + 1) * inv);
+    const uint32_t pair = uint32_t(e0.raw()) | (uint32_t(e1.raw()) << 16);
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(uint32_t(__cvta_generic_to_shared(&tOsO(e)))), "r"(pair) : "memory");
+  }
   cutlass::arch::fence_view_async_shared();  // generic writes visible to the TMA unit (async proxy)
   const int warpgroup = (int(threadIdx.x) - T::kProducerThreads) / 128;
   warpgroup_sync(warpgroup);
-  if ((threadIdx.x & 127) == 0) {
+  if (stores_o()) {
     constexpr int kHalves = T::kHeadDim / 64;
     const int first = 64 * warpgroup;  // the warpgroup's first tile row
     if (p.q_units == nullptr) {
@@ -146,12 +166,10 @@ __device__ __forceinline__ void store_output_tma(const TesseraAttnParams& p, con
                                   unit << p.q_unit_log2, t.h, t.b);
       }
     }
-    tma_store_arrive();
-    tma_store_wait<0>();  // the copy has read shared memory; its global writes complete on their own
+    tma_store_arrive();  // its shared-memory reads are waited for by release_after_store
   }
   store_lse(p, t, r);
-  warpgroup_sync(warpgroup);
-  release_q<kDynamic>(q_empty);
+  if (!stores_o()) release_q<kDynamic>(q_empty);
 }
 
 }  // namespace tessera::hopper

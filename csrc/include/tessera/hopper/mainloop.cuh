@@ -161,6 +161,11 @@ struct PingPong {
   }
 };
 
+// consume_task's hook after the task's first Q K^T is issued (while it runs): nothing by default.
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // Per-thread state of one query tile: the output accumulator and the running row statistics.
 template <class FragO>
 struct RowState {
@@ -176,14 +181,15 @@ struct RowState {
 // registers it loads it into (T::kQInRegisters). The buffer is released after the last Q K^T
 // unless `keep_q` (the TMA-store epilogue stages O in it). kDynamic (a dynamically scheduled grid):
 // Q has already landed (its q_full phase also carried the task), and every thread, not one per
-// warp, releases it.
-template <class T, bool kDynamic = false, class QOperand, class Mmas, class Views, class State>
+// warp, releases it. `after_first_issue` runs once the first Q K^T is issued, before its wait (the
+// TMA-store epilogue's deferred release of the previous task's buffer, attention.cuh).
+template <class T, bool kDynamic = false, class QOperand, class Mmas, class Views, class State, class Hook = NoHook>
 __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const Task& t, const QOperand& q_operand,
                                              Mmas& mmas, const Views& v, State& st,
                                              PipelineBarriers<T::kStages, T::kQStages>& bar,
                                              PipeState<T::kStages>& read_k, PipeState<T::kStages>& read_v,
                                              const PipeState<T::kQStages>& read_q, const PingPong<T>& turns,
-                                             bool keep_q = false) {
+                                             bool keep_q = false, const Hook& after_first_issue = Hook{}) {
   using Element = typename T::Element;
   const int n = t.tile_end - t.tile_begin;
   const int qs = read_q.stage;
@@ -227,6 +233,7 @@ __device__ __forceinline__ void consume_task(const TesseraAttnParams& p, const T
   turns.wait_turn();
   issue_scores();
   turns.pass_turn();
+  after_first_issue();
   warpgroup_wait<0>();
   scores_done(0, act);
   to_prob();
