@@ -16,6 +16,14 @@ Two orders of a task's key blocks are counted:
 The idle share is an upper bound on the consumer work a per-warpgroup skip could save. The
 producer's loads and the other warpgroup's work stay.
 
+Three more columns weigh a different design, where each query block of a pair computes only its
+own key blocks and the key blocks both attend are loaded once for the two (a pair sharing K / V):
+- ``shared``: the key blocks both query blocks attend, as a share of the pair's union;
+- ``union / own``: key blocks loaded per pair over the sum of each query block's own, i.e. the
+  K / V bytes of that design against a 64-row plan that loads every block for each query block;
+- ``128-row work``: the 128-row tile's work over the active work, 2 x union / own (in 64-column
+  units, before packing rounds a task's union up to whole tiles), which that design would not do.
+
     python benchmarks/warpgroup_idle.py --families Q64K64-HD,Q64K64,Q64K64-DD --cases 5 --heads 4 --md OUT.md
 """
 
@@ -62,11 +70,28 @@ def warpgroup_idle(blocks: torch.Tensor) -> tuple[int, float, float]:
     return tiles, idle_now / max(pairs, 1), idle_sorted / max(pairs, 1)
 
 
+def pair_sharing(blocks: torch.Tensor) -> tuple[float, float, float]:
+    """(shared share of the union, union / own, 2 x union / own) over the grouped pairs of
+    ``blocks [H, nQ, nKV]`` (bool, 64 x 64 blocks); a head's unpaired last query block is left out."""
+    heads, n_q, n_kv = blocks.shape
+    order = group_query_blocks(blocks[None], 2)[0]
+    shared = union = own = 0
+    for h in range(heads):
+        units = order[h][(order[h] >= 0) & (order[h] < n_q)]
+        units = units[: units.numel() - units.numel() % 2]
+        pairs = blocks[h, units].view(-1, 2, n_kv)
+        shared += int((pairs[:, 0] & pairs[:, 1]).sum())
+        union += int(pairs.any(1).sum())
+        own += int(pairs.sum())
+    return shared / max(union, 1), union / max(own, 1), 2 * union / max(own, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__doc__, "Q64K64-HD,Q64K64,Q64K64-DD")
     args = parser.parse_args(argv)
-    lines = ["| case | density | tiles | idle (warpgroup, tile) pairs now | sorted: shared blocks first |",
-             "|---|---|---|---|---|"]
+    lines = [("| case | density | tiles | idle (warpgroup, tile) pairs now | sorted: shared blocks first "
+              "| shared | union / own | 128-row work |"),
+             "|---|---|---|---|---|---|---|---|"]
     for case in study_cases(args.families.split(","), args.cases, BENCH_32K):
         mask = case.build()
         if (mask.block_q, mask.block_kv) != (64, 64):
@@ -74,12 +99,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         blocks = mask.blocks[0, : args.heads].bool()
         tiles, now, ordered = warpgroup_idle(blocks)
-        row = f"| {case.name} | {float(blocks.float().mean()):.3f} | {tiles} | {now:.3f} | {ordered:.3f} |"
+        shared, loads, work = pair_sharing(blocks)
+        row = (f"| {case.name} | {float(blocks.float().mean()):.3f} | {tiles} | {now:.3f} | {ordered:.3f} "
+               f"| {shared:.3f} | {loads:.3f} | {work:.3f} |")
         lines.append(row)
         print(row, flush=True)
     if args.md is not None:
-        title = (f"# Idle (consumer warpgroup, KV tile) pairs of the grouped-packed 128 x 128 plan "
-                 f"(corpus masks, N = 32,768, first {args.heads} heads)")
+        title = (f"# Idle (consumer warpgroup, KV tile) pairs of the grouped-packed 128 x 128 plan, and what "
+                 f"its pairs share (corpus masks, N = 32,768, first {args.heads} heads; columns: "
+                 f"benchmarks/warpgroup_idle.py)")
         args.md.write_text(title + "\n\n" + "\n".join(lines) + "\n")
     return 0
 

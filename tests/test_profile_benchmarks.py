@@ -517,3 +517,6 @@ def test_warpgroup_idle_counts_one_sided_tiles_in_both_orders():
     blocks[0, 1, [0, 4]] = True
     tiles, now, ordered = study.warpgroup_idle(blocks)
     assert tiles == 3 and now == pytest.approx(1 / 3) and ordered == pytest.approx(1 / 3)
+    # one pair (a head's two query blocks): shared {0}, union {0..4}, own 4 + 2 = 6 blocks
+    shared, loads, work = study.pair_sharing(blocks)
+    assert (shared, loads, work) == (pytest.approx(1 / 5), pytest.approx(5 / 6), pytest.approx(10 / 6))
