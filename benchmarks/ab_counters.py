@@ -12,8 +12,8 @@ plan (a change that touches only some kernels leaves the others as the same call
 
 Writes ``DIR/ab_<library>_<n>.log`` (the runs) and ``DIR/ab.md`` (the summary), and prints the
 summary. ``--pythonpath NAME=DIR`` runs one library's side with another tree's Python package
-(a build whose preparation differs, e.g. its packing). ``--summarize DIR`` rebuilds the summary from such logs alone (no GPU), the libraries
-ordered as in ``--order``.
+(a build whose preparation differs, e.g. its packing). ``--summarize DIR`` rebuilds the summary
+from such logs alone (no GPU), the libraries ordered as in ``--order``.
 """
 
 from __future__ import annotations

@@ -45,10 +45,16 @@ def idle_pairs(order: torch.Tensor, sets: list[torch.Tensor]) -> int:
     return sum(int((~(s[cols.clamp(min=0)] & valid).any(1)).sum()) for s in sets)
 
 
-def warpgroup_idle(blocks: torch.Tensor) -> tuple[int, float, float]:
-    """(tiles, idle share now, idle share sorted) of ``blocks [H, nQ, nKV]`` (bool, 64 x 64 blocks)."""
+def grouped_order(blocks: torch.Tensor) -> torch.Tensor:
+    """The grouped query-block order ``[H, slots]`` of ``blocks [H, nQ, nKV]`` in pairs (-1: none)."""
+    return group_query_blocks(blocks[None], 2)[0]
+
+
+def warpgroup_idle(blocks: torch.Tensor, order: torch.Tensor | None = None) -> tuple[int, float, float]:
+    """(tiles, idle share now, idle share sorted) of ``blocks [H, nQ, nKV]`` (bool, 64 x 64 blocks),
+    paired by ``order`` (``grouped_order(blocks)`` when not given)."""
     heads, n_q, _ = blocks.shape
-    order = group_query_blocks(blocks[None], 2)[0]
+    order = grouped_order(blocks) if order is None else order
     tiles = pairs = idle_now = idle_sorted = 0
     for h in range(heads):
         units = [u for u in order[h].tolist() if 0 <= u < n_q]
@@ -70,11 +76,12 @@ def warpgroup_idle(blocks: torch.Tensor) -> tuple[int, float, float]:
     return tiles, idle_now / max(pairs, 1), idle_sorted / max(pairs, 1)
 
 
-def pair_sharing(blocks: torch.Tensor) -> tuple[float, float, float]:
-    """(shared share of the union, union / own, 2 x union / own) over the grouped pairs of
-    ``blocks [H, nQ, nKV]`` (bool, 64 x 64 blocks); a head's unpaired last query block is left out."""
+def pair_sharing(blocks: torch.Tensor, order: torch.Tensor | None = None) -> tuple[float, float, float]:
+    """(shared share of the union, union / own, 2 x union / own) over the pairs of ``blocks [H, nQ,
+    nKV]`` (bool, 64 x 64 blocks) by ``order`` (``grouped_order(blocks)`` when not given); a head's
+    unpaired last query block is left out."""
     heads, n_q, n_kv = blocks.shape
-    order = group_query_blocks(blocks[None], 2)[0]
+    order = grouped_order(blocks) if order is None else order
     shared = union = own = 0
     for h in range(heads):
         units = order[h][(order[h] >= 0) & (order[h] < n_q)]
@@ -98,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case.name}: blocks {mask.block_q} x {mask.block_kv}, not 64 x 64; skipped", file=sys.stderr)
             continue
         blocks = mask.blocks[0, : args.heads].bool()
-        tiles, now, ordered = warpgroup_idle(blocks)
-        shared, loads, work = pair_sharing(blocks)
+        order = grouped_order(blocks)  # the grouping is the costly step: once per case
+        tiles, now, ordered = warpgroup_idle(blocks, order)
+        shared, loads, work = pair_sharing(blocks, order)
         row = (f"| {case.name} | {float(blocks.float().mean()):.3f} | {tiles} | {now:.3f} | {ordered:.3f} "
                f"| {shared:.3f} | {loads:.3f} | {work:.3f} |")
         lines.append(row)
