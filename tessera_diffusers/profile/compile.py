@@ -116,8 +116,9 @@ class CompileOptions:
     # Q32K32/reused split on the mean run length in that profile and its held-out (leave-one-source-
     # out) regret fell from 1.103 to 1.010, while the natural keys split at 20 did no better on
     # held-out masks (benchmarks/results/h200_reprofile_q_registers). The two profiles since
-    # (h200_reprofile_slot_spans, h200_deferred_release, the shipped table's) found no split of that
-    # key better than none, so it has one regime there. None: ``min_leaf``; never above it.
+    # (h200_reprofile_slot_spans, and h200_deferred_release, which the shipped table comes from)
+    # found no split of that key better than none, so it has one regime there. None: ``min_leaf``;
+    # never above it.
     min_leaf_reused: int | None = 20
     max_depth: int = 4
     folds: int = 5
