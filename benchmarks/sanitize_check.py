@@ -4,8 +4,10 @@ Hopper cases on sm90 (two for the 64 x 64 tile, which runs two CTAs per SM).
 
 ``--every-kernel`` runs every Hopper kernel of the library twice instead, once per task schedule:
 a direct plan on the static schedule (longest-first, row-major and split-K in turn) and a
-persistent plan on the dynamic one (coarsened-packed and refined in turn), so each compiled
-kernel (tile x head dim x dtype x stages x schedule) is exercised under the sanitizer; ``--only``
+persistent plan on the dynamic one (coarsened-packed and refined in turn), and a 128-row kernel a
+plan of two query blocks per tile on the static one, so each compiled kernel (tile x head
+dim x dtype x stages x schedule) is exercised under the sanitizer, coarsened and (``--grouped``)
+grouped query tiles on both schedules; ``--only``
 narrows it to the kernels whose name matches a regex. ``--grouped``
 adds each case's grouped query layout where its query tile covers several blocks."""
 
@@ -53,7 +55,8 @@ def case_sizes(block_q: int, block_kv: int) -> tuple[int, int]:
 
 def every_hopper_kernel(kernels) -> list[tuple]:
     """Two cases per Hopper kernel: a direct plan on the static schedule and a persistent plan on
-    the dynamic one, each in the shape of ``HOPPER_CASES``."""
+    the dynamic one, each in the shape of ``HOPPER_CASES``; a 128-row kernel also runs a plan of two
+    query blocks per tile on the static schedule."""
     cases = []
     for i, k in enumerate(sorted((k for k in kernels if k.family.value == "hopper"), key=lambda k: k.name)):
         key = (k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps)
@@ -63,6 +66,8 @@ def every_hopper_kernel(kernels) -> list[tuple]:
                           TaskOrganization(persistent=True)))
         else:  # coarsened query blocks, KV blocks packed into the tile
             cases.append(((k.tile_q // 2, 16), "hopper", key, KvLayout.PACKED, TaskOrganization(persistent=True)))
+        if k.tile_q == 128:  # two query blocks per tile on the static schedule too (O through TMA)
+            cases.append(((64, 32), "hopper", key, KvLayout.PACKED, TaskOrganization()))
     return cases
 
 

@@ -306,7 +306,13 @@ def test_sanitize_every_kernel_covers_each_hopper_kernel_once_per_schedule():
         assert rejection(plan, request) is None, plan.name
         seen.setdefault(kernel.name, []).append(org.persistent)
     assert sorted(seen) == sorted(k.name for k in hopper)
-    assert all(sorted(v) == [False, True] for v in seen.values())
+    assert all(sorted(v) == ([False, False, True] if name.startswith("hopper_t128") else [False, True])
+               for name, v in seen.items())
+    # the 128-row kernels' static case covers two query blocks per tile (and its grouped layout)
+    coarse = [PhysicalPlan(bq, bkv, layout, org, by_key[key]) for (bq, bkv), _, key, layout, org in cases
+              if key[0] == 128 and (bq, bkv) == (64, 32)]
+    assert len(coarse) == sum(k.tile_q == 128 for k in hopper)
+    assert all(not p.tasks.persistent and p.q_units_per_tile == 2 and p.can_group_queries for p in coarse)
 
 
 def test_selection_regret_splits_regret_into_organization_and_tile():
