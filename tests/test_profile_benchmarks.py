@@ -526,3 +526,27 @@ def test_warpgroup_idle_counts_one_sided_tiles_in_both_orders():
     # one pair (a head's two query blocks): shared {0}, union {0..4}, own 4 + 2 = 6 blocks
     shared, loads, work = study.pair_sharing(blocks)
     assert (shared, loads, work) == (pytest.approx(1 / 5), pytest.approx(5 / 6), pytest.approx(10 / 6))
+
+
+def test_isolated_tests_records_a_hang_and_runs_the_tests_after_it(tmp_path, capsys):
+    """benchmarks/isolated_tests.py: a test that never returns is killed after the timeout and
+    recorded as a hang, the tests after it still run (in a new child), and failures are reported."""
+    tests = tmp_path / "test_sample.py"
+    tests.write_text("\n".join([
+        "import time",
+        "import pytest",
+        "def test_first(): pass",
+        "def test_stuck(): time.sleep(120)",
+        "@pytest.mark.parametrize('x', [1, 2])",
+        "def test_after(x): assert x == 1",
+    ]) + "\n")
+    tool = load("isolated_tests")
+    log = tmp_path / "run.log"
+    rc = tool.main(["--timeout", "4", "--log", str(log), "--", "-p", "no:randomly", str(tests)])
+    out = capsys.readouterr().out
+    assert rc == 1
+    lines = out.splitlines()
+    assert any(line.startswith("HANG ") and line.endswith("test_sample.py::test_stuck") for line in lines), out
+    assert any(line.startswith("FAILED ") and line.endswith("test_sample.py::test_after[2]") for line in lines), out
+    assert "2 passed" in out and "1 hang" in out and "1 failed" in out
+    assert "test_stuck: no result for 4 s, killed" in log.read_text()
