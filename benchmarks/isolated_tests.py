@@ -90,7 +90,10 @@ def run_isolated(ids: list[str], options: list[str], python: str, timeout: float
         outcomes, hung = run_child(remaining, options, python, timeout, log)
         results.update(outcomes)
         if hung:
-            stuck = next(i for i in remaining if i not in results)
+            stuck = next((i for i in remaining if i not in results), None)
+            if stuck is None:  # every test reported, then the child hung on its way out
+                log.write(f"=== the child stopped answering after its last test ({timeout:g} s), killed\n")
+                break
             results[stuck] = "HANG"
             log.write(f"=== {stuck}: no result for {timeout:g} s, killed\n")
         left = [i for i in remaining if i not in results]
