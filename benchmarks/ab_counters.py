@@ -27,6 +27,7 @@ import sys
 from collections import defaultdict
 
 from tessera_diffusers.bench.metrics import geometric_mean
+from tessera_diffusers.testing import with_pythonpath_first
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TILE = re.compile(r"_q(\d+)k(\d+)_from_")
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         log = os.path.join(args.out, f"ab_{name}_{sum(n == name for n in order[:i]) + 1}.log")
         env = {**os.environ, "TESSERA_NATIVE_LIB": libs[name]}
         if name in trees:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(trees[name]), env.get("PYTHONPATH")) if p)
+            env = with_pythonpath_first(env, os.path.abspath(trees[name]))
         with open(log, "w") as f:
             rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False,
                                 env=env).returncode

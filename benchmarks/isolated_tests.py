@@ -29,7 +29,8 @@ RESULT = re.compile(r"^(\S.*::.*?) (" + "|".join(OUTCOMES) + r")(\s|$)")
 
 # Node ids relative to the file system's root, so that a child runs them from there whatever the
 # rootdir of the collection would have been; the children keep this process's directory importable
-# (as `python -m pytest` run here would).
+# (as `python -m pytest` run here would). The runner imports nothing of the package it tests (it
+# must report a package that fails to import), so it does not use testing.with_pythonpath_first.
 ROOT = os.path.abspath(os.sep)
 
 

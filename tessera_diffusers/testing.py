@@ -175,6 +175,13 @@ def metadata_difference(got, want) -> str | None:
 
 
 # ---------------------------------------------------------------------------- multi-process tests
+def with_pythonpath_first(env: dict[str, str], directory: str) -> dict[str, str]:
+    """A copy of ``env`` with ``directory`` first on ``PYTHONPATH`` (its entries kept after it)."""
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join([directory] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
 def free_port() -> int:
     """A free TCP port on the loopback address."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -199,9 +206,7 @@ def run_ranks(
     """Run ``python script --rank R --world N --init tcp://127.0.0.1:PORT *args`` for every rank at
     once (``env``, with this checkout first on ``PYTHONPATH``); every process is killed and
     ``TimeoutError`` raised if they outlive ``timeout`` seconds together."""
-    env = dict(env)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = with_pythonpath_first(env, str(Path(__file__).resolve().parents[1]))
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
