@@ -111,15 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.out and args.lib and args.case and args.plan):
         parser.error("a run needs --out, --lib, --case and --plan (or --summarize DIR)")
-    bad = [spec for spec in args.lib if "=" not in spec]
-    if bad:
-        parser.error(f"--lib expects NAME=PATH, got {bad}")
-    libs = dict(spec.split("=", 1) for spec in args.lib)
+    def named(specs: list[str], flag: str, expects: str, known: dict | None = None) -> dict[str, str]:
+        """``NAME=VALUE`` options as a dict (NAME one of ``known`` where given), else a usage error."""
+        bad = [spec for spec in specs if "=" not in spec or (known is not None and spec.split("=", 1)[0] not in known)]
+        if bad:
+            parser.error(f"{flag} expects {expects}, got {bad}")
+        return dict(spec.split("=", 1) for spec in specs)
+
+    libs = named(args.lib, "--lib", "NAME=PATH")
     names = list(libs)
-    bad = [spec for spec in args.pythonpath if "=" not in spec or spec.split("=", 1)[0] not in libs]
-    if bad:
-        parser.error(f"--pythonpath expects NAME=DIR with NAME given by --lib, got {bad}")
-    trees = dict(spec.split("=", 1) for spec in args.pythonpath)
+    trees = named(args.pythonpath, "--pythonpath", "NAME=DIR with NAME given by --lib", libs)
     order = args.order.split(",")
     unknown = sorted(set(order) - set(libs))
     if unknown:
