@@ -9,6 +9,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 def load(name: str):
     spec = importlib.util.spec_from_file_location(f"tessera_bench_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -550,3 +552,31 @@ def test_isolated_tests_records_a_hang_and_runs_the_tests_after_it(tmp_path, cap
     assert any(line.startswith("FAILED ") and line.endswith("test_sample.py::test_after[2]") for line in lines), out
     assert "2 passed" in out and "1 hang" in out and "1 failed" in out
     assert "test_stuck: no result for 4 s, killed" in log.read_text()
+
+
+def test_task_overhead_masks_rows_of_exactly_k_and_fits_the_fixed_cost(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it reads kernel_counters' timer
+    study = load("task_overhead")
+    gen = torch.Generator().manual_seed(3)
+    blocks = study.rows_of_k(3, 5, 40, 7, gen)
+    assert blocks.shape == (1, 3, 5, 40) and blocks.dtype == torch.bool
+    assert (blocks.sum(-1) == 7).all()
+    assert not torch.equal(blocks[0, 0], blocks[0, 1])  # heads draw their own blocks
+    with pytest.raises(ValueError, match="k: expected 1..40"):
+        study.rows_of_k(1, 2, 40, 41, gen)
+    ks = [4, 8, 16, 32]
+    fit = study.fit_line(ks, [0.3 + 0.05 * k for k in ks])
+    assert fit.c0 == pytest.approx(0.3) and fit.c1 == pytest.approx(0.05) and fit.tiles == pytest.approx(6.0)
+    assert fit.max_residual < 1e-9
+    noisy = study.fit_line(ks, [0.3 + 0.05 * k + (0.01 if k == 8 else 0.0) for k in ks])
+    assert noisy.max_residual > 0.005
+    with pytest.raises(ValueError, match="two distinct k"):
+        study.fit_line([4, 4], [1.0, 1.1])
+    points = study.with_lost_tiles([study.Point("Q64K64", "a", 8, 0.1, 1.0, 400.0),
+                                    study.Point("Q64K64", "a", 32, 0.4, 2.0, 500.0),
+                                    study.Point("Q64K64", "b", 8, 0.1, 1.0, 100.0)])
+    assert [p.lost for p in points] == pytest.approx([2.0, 0.0, 0.0])  # 8 * (500 / 400 - 1); b is its own best
+    assert study.parse_config("Q64K64=^direct_") == ("Q64K64", "^direct_")
+    for bad in ("Q64K64", "Q64=^x", "Q64K64="):
+        with pytest.raises(ValueError):
+            study.parse_config(bad)
