@@ -30,7 +30,9 @@ import torch
 from tessera_diffusers import LogicalMask, build_mask_state, ops, prepare
 from tessera_diffusers.catalog import plans_for
 from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
-from tessera_diffusers.plans import with_grouped_layouts
+from tessera_diffusers.mask_state import MaskState
+from tessera_diffusers.plans import PhysicalPlan, with_grouped_layouts
+from tessera_diffusers.prepare import PreparedPlan
 from tessera_diffusers.testing import check_against_reference
 
 
@@ -94,11 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                       if p.kernel.head_dim == d and p.kernel.dtype == "bf16"]
         chosen = [p for p in candidates if any(re.search(r, p.name) for r in args.plan)]
         for plan in chosen:
-            prepared = prepare(plan, state)
-            out, lse = ops.run_native(prepared, q, k, v, scale, True)
-            acc = check_against_reference(out[:, :, :2], lse[:, :2], q[:, :, :2], k[:, :, :2], v[:, :, :2],
-                                          head_slice(mask, 2))
-            failures += not acc.ok()
+            prepared, ok = checked_launch(plan, state, mask, q, k, v, scale)
+            failures += not ok
             run = partial(ops.run_native, prepared, q, k, v, scale, False)
             for _ in range(args.warmup):
                 run()
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.nvtx.range_pop()
             ms = timed_ms(run, args.reps) if args.reps > 0 else math.nan
             print(f"{spec:<32} {density:7.3f} {plan.name:<72} {ms:7.3f} {flops / ms / 1e9:6.0f}"
-                  f"{'' if acc.ok() else '  ORACLE MISMATCH'}", flush=True)
+                  f"{'' if ok else '  ORACLE MISMATCH'}", flush=True)
             if args.static and plan.tasks.persistent and args.reps > 0:
                 static = partial(
                     torch.ops.tessera.sparse_attention_fwd, q, k, v, prepared.tile_counts, prepared.tile_slots,
@@ -128,6 +127,17 @@ def main(argv: list[str] | None = None) -> int:
                 ms = timed_ms(sdpa, args.reps) if args.reps > 0 else math.nan
             print(f"{spec:<32} {1.0:7.3f} {'dense cuDNN SDPA':<72} {ms:7.3f} {4.0 * d * n * n * args.heads / ms / 1e9:6.0f}")
     return 1 if failures else 0
+
+
+def checked_launch(plan: PhysicalPlan, state: MaskState, mask: LogicalMask, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, scale: float) -> tuple[PreparedPlan, bool]:
+    """``plan`` prepared for ``state`` (the metadata of ``mask``) and launched once on ``q, k, v
+    [1, N, H, D]``; whether its output and log-sum-exp match the fp32 oracle on the first two heads."""
+    prepared = prepare(plan, state)
+    out, lse = ops.run_native(prepared, q, k, v, scale, True)
+    acc = check_against_reference(out[:, :, :2], lse[:, :2], q[:, :, :2], k[:, :, :2], v[:, :, :2],
+                                  head_slice(mask, 2))
+    return prepared, acc.ok()
 
 
 def head_slice(mask: LogicalMask, heads: int) -> LogicalMask:

@@ -34,12 +34,11 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from kernel_counters import head_slice, timed_ms
+from kernel_counters import checked_launch, timed_ms
 
-from tessera_diffusers import LogicalMask, build_mask_state, ops, prepare
+from tessera_diffusers import LogicalMask, build_mask_state, ops
 from tessera_diffusers.catalog import plans_for
 from tessera_diffusers.plans import with_grouped_layouts
-from tessera_diffusers.testing import check_against_reference
 
 HOPPER = "d128_bf16_sm90a_hopper"
 DEFAULT_CONFIGS = (
@@ -213,11 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             density = float(mask.blocks.float().mean())
             flops = 4.0 * d * density * n * n * args.heads
             for plan in plans:
-                prepared = prepare(plan, state)
-                out, lse = ops.run_native(prepared, q, k_, v, scale, True)
-                acc = check_against_reference(out[:, :, :2], lse[:, :2], q[:, :, :2], k_[:, :, :2], v[:, :, :2],
-                                              head_slice(mask, 2))
-                if not acc.ok():
+                prepared, ok = checked_launch(plan, state, mask, q, k_, v, scale)
+                if not ok:
                     print(f"{plan.name} k={k}: ORACLE MISMATCH", flush=True)
                     failures += 1
                     continue
