@@ -309,3 +309,31 @@ def test_kernel_sources_of_the_profiled_library_reach_the_table(tmp_path, monkey
     table, _ = compile_table(profile)
     assert "part of plan table" in table.sources_mismatch("src-two")
     assert "may be stale" in table.sources_mismatch("src-three")
+
+
+def test_a_later_records_file_supersedes_a_key_whole(tmp_path):
+    """Compiling [old, new]: a key the new file profiles takes its cases from it alone (its old cases,
+    and their times, are set aside and the report says so); a key only the old file holds keeps them."""
+    def split_wins(trial: Trial) -> Measured:  # the opposite answer to ``injected``
+        return Measured(Timing((1.0 if trial.plan.tasks.num_splits > 1 else 3.0,), "injected"))
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    run_profile(smoke_config(old, families=("Q32K16", "Q64K64"), sources=("sliding_tile", "temporal_heads"),
+                             progress=False, interleave=False), measure=split_wins, log=lambda m: None)
+    run_profile(smoke_config(new, families=("Q32K16",), sources=("sliding_tile",), progress=False, interleave=False),
+                measure=injected, log=lambda m: None)
+    profile = load_profile([old / RECORDS_FILE, new / RECORDS_FILE])
+    by_key: dict[str, list] = {}
+    for case in profile.cases:
+        by_key.setdefault(case.request.key, []).append(case)
+    assert len(by_key["cpu/Q32K16/d64/bf16/bshd"]) == 1 and len(by_key["cpu/Q64K64/d64/bf16/bshd"]) == 2
+    (note,) = [n for n in profile.notes if "supersede" in n]
+    assert note.startswith("cpu/Q32K16/d64/bf16/bshd: its 1 cases of new/") and "(2 cases of old/" in note
+    table, _ = compile_table(profile)
+    first = {key: next(iter(table.keys[key].buckets.values())).regimes[0].ranking[0].plan
+             for key in ("cpu/Q32K16/d64/bf16/bshd", "cpu/Q64K64/d64/bf16/bshd")}
+    assert "split" not in first["cpu/Q32K16/d64/bf16/bshd"]  # the new file's answer, unmixed with the old
+    assert "split" in first["cpu/Q64K64/d64/bf16/bshd"]  # the old file's, for the key the new one lacks
+    # The other order: the old file is now the later one for every key.
+    assert all(len([c for c in load_profile([new / RECORDS_FILE, old / RECORDS_FILE]).cases
+                    if c.request.key == key]) == 2 for key in first)

@@ -194,32 +194,43 @@ class CompileReport:
 
 def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profile:
     """Complete cases of the records files (``records.py``) for one architecture. Raises
-    ``PlanTableError`` when there is nothing to compile or the architecture is ambiguous."""
+    ``PlanTableError`` when there is nothing to compile or the architecture is ambiguous.
+
+    A request key whose cases appear in several files takes them from the last of those files
+    only: a re-profile supersedes the earlier profile of that key, whole. Times of different runs
+    (another session's clocks, another library's kernels) do not compare, so one key's ranking is
+    never learned from a mix of them; keys a later file does not profile keep their earlier cases.
+    Within one file (a run and its resumptions) a case's last record wins."""
+    paths = list(paths)
     skipped: list = []
     held_out = 0
     catalogs: dict[str, tuple[KernelSpec, ...]] = {}
-    sources: dict[str, set[str]] = defaultdict(set)  # kernel_sources hashes per catalog hash
-    case_records: dict[str, dict] = {}
-    latencies: dict[str, dict[str, float]] = defaultdict(dict)
+    # kernel_sources hashes per (file, catalog hash): only files that keep a case count
+    sources: dict[tuple[int, str], set[str]] = defaultdict(set)
+    case_records: dict[tuple[int, str], dict] = {}
+    latencies: dict[tuple[int, str], dict[str, float]] = defaultdict(dict)
+    case_methods: dict[tuple[int, str], Counter] = defaultdict(Counter)  # timing methods of a case's plans
     specs: dict[str, dict] = {}
-    methods: Counter = Counter()
-    for record in read_records(paths, skipped):
-        kind = record.get("type")
-        if kind == "catalog":
-            catalogs[record["catalog_hash"]] = tuple(kernel_from_dict(k) for k in record["kernels"])
-            if record.get("kernel_sources"):
-                sources[record["catalog_hash"]].add(str(record["kernel_sources"]))
-        elif kind == "case":
-            if record.get("split", "profiling") != "profiling":
-                held_out += 1  # evaluation-split cases judge tables; they never train one
-                continue
-            case_records[record["case"]] = record
-        elif kind == "plan":
-            if "spec" in record:
-                specs.setdefault(record["plan"], record["spec"])
-            if record.get("status") == "ok":
-                latencies[record["case"]][record["plan"]] = float(record["latency_ms"])
-                methods[timing_method(record)] += 1
+    for index, path in enumerate(paths):
+        for record in read_records([path], skipped):
+            kind = record.get("type")
+            if kind == "catalog":
+                catalogs[record["catalog_hash"]] = tuple(kernel_from_dict(k) for k in record["kernels"])
+                if record.get("kernel_sources"):
+                    sources[index, record["catalog_hash"]].add(str(record["kernel_sources"]))
+            elif kind == "case":
+                if record.get("split", "profiling") != "profiling":
+                    held_out += 1  # evaluation-split cases judge tables; they never train one
+                    continue
+                case_records[index, record["case"]] = record
+            elif kind == "plan":
+                if "spec" in record:
+                    specs.setdefault(record["plan"], record["spec"])
+                if record.get("status") == "ok":
+                    latencies[index, record["case"]][record["plan"]] = float(record["latency_ms"])
+                    case_methods[index, record["case"]][timing_method(record)] += 1
+    case_records, superseded = latest_profile_per_key(case_records, [Path(p) for p in paths])
+    methods: Counter = sum((case_methods[at] for at in case_records), Counter())
     if not case_records:
         why = f" ({held_out} evaluation-split cases are never compiled)" if held_out else ""
         raise PlanTableError(f"no complete profiled case in the records (run `tessera profile` first){why}")
@@ -228,19 +239,20 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
         if len(archs) > 1:
             raise PlanTableError(f"records hold several architectures {dict(archs)}: choose one (--arch)")
         arch = next(iter(archs))
-    mine = [r for r in case_records.values() if r["arch"] == arch]
+    mine = {at: r for at, r in case_records.items() if r["arch"] == arch}
     if not mine:
         raise PlanTableError(f"no profiled case of architecture {arch} (records have {dict(archs)})")
-    hashes = Counter(r["catalog_hash"] for r in mine)
+    hashes = Counter(r["catalog_hash"] for r in mine.values())
     chosen_hash, _ = hashes.most_common(1)[0]
-    notes = []
+    notes = list(superseded)
     if len(hashes) > 1:
         notes.append(f"ignored {len(mine) - hashes[chosen_hash]} cases profiled against other catalogs "
                      f"({sorted(set(hashes) - {chosen_hash})})")
     if chosen_hash not in catalogs:
         raise PlanTableError(f"records lack the catalog record of hash {chosen_hash}")
     cases = []
-    for record in mine:
+    profiled_sources: set[str] = set()  # of the files whose cases are kept
+    for at, record in mine.items():
         if record["catalog_hash"] != chosen_hash:
             continue
         stats = record["stats"]
@@ -251,7 +263,8 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
         unions = {int(rows): float(ratio) for rows, ratio in (record.get("row_unions") or {}).items()}
         cases.append(ProfiledCase(record["case"], request_from_dict(record["request"]),
                                   tuple(float(stats[s]) for s in STAT_NAMES), str(record["group"]),
-                                  MappingProxyType(dict(latencies.get(record["case"], {}))), MappingProxyType(unions)))
+                                  MappingProxyType(dict(latencies.get(at, {}))), MappingProxyType(unions)))
+        profiled_sources |= sources.get((at[0], chosen_hash), set())
     if skipped:
         notes.append(f"skipped {len(skipped)} unreadable record line(s)")
     if len(methods) > 1:
@@ -264,11 +277,36 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
     if unknown:
         raise PlanTableError(f"records lack the spec of plans {unknown[:3]} (a records file cut at its start?)")
     plans = {name: plan_from_dict(specs[name]) for name in sorted(named)}
-    if len(sources[chosen_hash]) > 1:
-        notes.append(f"the records were profiled on kernels built from {len(sources[chosen_hash])} different "
-                     f"sources ({', '.join(sorted(sources[chosen_hash]))}): their times may not compare")
+    if len(profiled_sources) > 1:
+        notes.append(f"the records were profiled on kernels built from {len(profiled_sources)} different "
+                     f"sources ({', '.join(sorted(profiled_sources))}): their times may not compare")
     return Profile(arch, chosen_hash, catalogs[chosen_hash], tuple(cases), MappingProxyType(plans), tuple(notes),
-                   tuple(sorted(sources[chosen_hash])))
+                   tuple(sorted(profiled_sources)))
+
+
+def latest_profile_per_key(case_records: Mapping[tuple[int, str], dict],
+                           paths: Sequence[Path]) -> tuple[dict[tuple[int, str], dict], list[str]]:
+    """Of the case records by (file index, case name), those from each request key's last file, and
+    a note per key whose cases in earlier files were set aside (``load_profile``)."""
+    keys = {at: request_from_dict(record["request"]).key for at, record in case_records.items()}
+    last: dict[str, int] = {}
+    for (index, _), key in keys.items():
+        last[key] = max(index, last.get(key, -1))
+    kept = {at: record for at, record in case_records.items() if at[0] == last[keys[at]]}
+    dropped: dict[str, Counter] = defaultdict(Counter)
+    for at, key in keys.items():
+        if at not in kept:
+            dropped[key][at[0]] += 1
+
+    def named(index: int) -> str:
+        return "/".join(paths[index].parts[-2:])
+
+    notes = []
+    for key, files in sorted(dropped.items()):
+        later = sum(1 for at in kept if keys[at] == key)
+        earlier = ", ".join(f"{n} cases of {named(i)}" for i, n in sorted(files.items()))
+        notes.append(f"{key}: its {later} cases of {named(last[key])} supersede the earlier profile ({earlier} cases)")
+    return kept, notes
 
 
 # -- the compiler --------------------------------------------------------------------------------
