@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     table.add_argument("--no-compile", action="store_true", help="measure only")
     table.add_argument("--compile-only", action="store_true", help="build the table from the records only")
     table.add_argument("--records", type=Path, nargs="+", default=None,
-                       help=f"records files to build from (default DIR/{RECORDS_FILE})")
+                       help=f"records files to build from (default DIR/{RECORDS_FILE}); a request key in several "
+                            "of them takes its cases from the last one (a re-profile supersedes it)")
     table.add_argument("--table", type=Path, default=None, help="where to write it (default DIR/plan_table_<arch>.json)")
     table.add_argument("--arch", default=None, help="architecture to build for when the records hold several")
     table.add_argument("--min-leaf", type=int, default=32, help="profiled cases per regime at least")

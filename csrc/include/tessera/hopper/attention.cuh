@@ -1,7 +1,8 @@
 // Hopper (sm90a) block-sparse attention forward, warp-specialized:
 //   warpgroup 0      producer: one thread gathers Q, K and V tiles with TMA, one box per slot of
 //                    the plan's metadata, into a multi-stage, 128-byte-swizzled ring of mbarriers
-//                    (pipeline.cuh); the rest of the warpgroup only gives its registers away;
+//                    (pipeline.cuh); with the dynamic schedule a second one takes the tasks and
+//                    loads Q; the rest of the warpgroup only gives its registers away;
 //   warpgroups 1..2  consumers, one per 64 query rows: wgmma Q K^T and P V, masking and the online
 //                    softmax overlapped with the previous P V (mainloop.cuh), epilogue (epilogue.cuh).
 // 64 x 64 tiles run two CTAs per SM (traits.cuh), so two independent 64-row tasks share the SM.
@@ -12,9 +13,9 @@
 // family (tessera/tasks.cuh), as is the metadata format (tessera_diffusers/prepare.py). A persistent
 // grid launched with a task counter (p.task_counter) runs attention_kernel<T, true>: each CTA takes
 // its next task from the counter as its producer issues the loads of the current one's last tiles
-// (with one Q buffer, once it has issued them; the producer decodes it and hands it to the
-// consumers in shared memory), so the longest-first order is load-balanced as one CTA per task is,
-// without a CTA launch per task.
+// (with one Q buffer, once it has issued them; the producer's taker thread decodes it and hands it
+// to the consumers in shared memory), so the longest-first order is load-balanced as one CTA per
+// task is, without a CTA launch per task.
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
 

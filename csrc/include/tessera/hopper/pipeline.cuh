@@ -46,13 +46,19 @@ struct PipelineBarriers {
   // wait on it (acquire), rewritten only once q_empty[i] has completed, which then counts every
   // consumer thread (each arrives after its own read).
   Task task[kQStages];
+  // Dynamic scheduling: the taker thread announces each slot's task on task_ready (one arrival), and
+  // the loader thread lets it take the next one on take_go (one arrival), producer_loop_dynamic.
+  uint64_t task_ready[kQStages];
+  uint64_t take_go;
 
   // `q_releases`: arrivals that complete q_empty (consumer warps, or threads when scheduling is dynamic).
   __device__ void init(int producer_arrivals, int consumer_warps, int q_releases) {
     for (int s = 0; s < kQStages; ++s) {
       Barrier::init(&q_full[s], producer_arrivals);
       Barrier::init(&q_empty[s], q_releases);
+      Barrier::init(&task_ready[s], 1);
     }
+    Barrier::init(&take_go, 1);
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&k_full[s], producer_arrivals);
       Barrier::init(&k_empty[s], consumer_warps);
@@ -122,30 +128,12 @@ __device__ __forceinline__ void load_kv_tile(const CUtensorMap* map, uint64_t* b
   }
 }
 
-// The loads of one task with tiles into Q buffer `qs`, once that buffer is free: Q (arming its
-// q_full phase), then K and V once per KV tile, each after the consumers have released the stage.
-// `taken` (dynamic scheduling): the counter's value for the CTA's next task, taken as the loads of
-// the last kTakeAhead tiles are issued, so that the atomic's round trip, the next task's decoding
-// and its Q load overlap the consumers' last tiles (the value is read only after this returns).
-// -DTESSERA_HOPPER_TAKE_AHEAD=0 takes it after the loads in every kernel (an A/B switch: with one
-// Q buffer the early take measured 1-2% slower, benchmarks/results/h200_tma_store_epilogue).
-#ifndef TESSERA_HOPPER_TAKE_AHEAD
-#define TESSERA_HOPPER_TAKE_AHEAD 2
-#endif
-constexpr int kTakeAhead = TESSERA_HOPPER_TAKE_AHEAD;
-static_assert(kTakeAhead >= 0, "TESSERA_HOPPER_TAKE_AHEAD: tiles before a task's end, 0 for after its loads");
-
+// Q of task t into buffer `qs` (arming its q_full phase with the bytes expected), once the buffer is free.
 template <class T>
-__device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaDescriptors& tma, const Task& t, int qs,
-                                          typename T::Element* q_smem, typename T::Element* k_smem,
-                                          typename T::Element* v_smem, PipelineBarriers<T::kStages, T::kQStages>& bar,
-                                          PipeState<T::kStages>& write, int* taken = nullptr) {
-  using Element = typename T::Element;
+__device__ __forceinline__ void load_q(const TesseraAttnParams& p, const TmaDescriptors& tma, const Task& t,
+                                       typename T::Element* q_smem, uint64_t* q_full) {
   constexpr int kHalves = T::kHeadDim / 64;
-  const int unit = 1 << p.kv_unit_log2;
-  uint64_t* q_full = &bar.q_full[qs];
-  q_smem += T::q_buffer_offset(qs);
-  TxBarrier::arrive_and_expect_tx(q_full, T::kTileQ * T::kHeadDim * int(sizeof(Element)));
+  TxBarrier::arrive_and_expect_tx(q_full, T::kTileQ * T::kHeadDim * int(sizeof(typename T::Element)));
   if (p.q_units == nullptr) {
     CUTE_UNROLL
     for (int dh = 0; dh < kHalves; ++dh)
@@ -163,9 +151,19 @@ __device__ __forceinline__ void load_task(const TesseraAttnParams& p, const TmaD
                                q_smem + T::q_box_offset(a * q_unit, dh), dh * 64, row, t.h, t.b);
     }
   }
-  const int take_at = max(t.tile_begin, t.tile_end - kTakeAhead);
+}
+
+// K and V once per KV tile of task t, each after the consumers have released the stage.
+// `before_tile(tile)` runs before each tile's loads are issued (the dynamic producer's hand-over
+// of the next task, producer_loop_dynamic).
+template <class T, class BeforeTile>
+__device__ __forceinline__ void load_tiles(const TesseraAttnParams& p, const TmaDescriptors& tma, const Task& t,
+                                           typename T::Element* k_smem, typename T::Element* v_smem,
+                                           PipelineBarriers<T::kStages, T::kQStages>& bar,
+                                           PipeState<T::kStages>& write, const BeforeTile& before_tile) {
+  const int unit = 1 << p.kv_unit_log2;
   for (int tile = t.tile_begin; tile < t.tile_end; ++tile) {
-    if (taken != nullptr && tile == take_at) *taken = atomicAdd(p.task_counter, 1);
+    before_tile(tile);
     const int32_t* slots = tile_slots(p, t, tile);
     int start[T::kMaxSlots];
     CUTE_UNROLL
@@ -196,54 +194,79 @@ __device__ void producer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
     const Task t = decode_task(p, task_id);
     if (t.tile_end <= t.tile_begin) continue;  // the consumers write the empty-row epilogue alone
     Barrier::wait(&bar.q_empty[write_q.stage], write_q.phase ^ 1u);
-    load_task<T>(p, tma, t, write_q.stage, q_smem, k_smem, v_smem, bar, write);
+    load_q<T>(p, tma, t, q_smem + T::q_buffer_offset(write_q.stage), &bar.q_full[write_q.stage]);
     write_q.advance();
+    load_tiles<T>(p, tma, t, k_smem, v_smem, bar, write, [](int) {});
   }
 }
 
-// The producer of a dynamically scheduled persistent grid (p.task_counter): CTA b starts with task
-// b and takes its next one from the counter while it issues the loads of the current one's last
-// tiles (load_task; with one Q buffer, once it has issued them). Every task, with tiles or not, and
-// the end (-1) are handed to the consumers through a phase of the next Q buffer's q_full.
+// The producer of a dynamically scheduled persistent grid (p.task_counter), in two threads so that
+// taking a task never holds up a K or V load:
+//   the taker (thread 32) takes the CTA's tasks (CTA b starts with task b, then the counter),
+//     decodes each, waits for the next Q buffer, writes the task into its slot (bar.task, announced
+//     on task_ready) and loads its Q (q_full: the consumers read the task from it). Every task, with
+//     tiles or not, and the end (b = -1) go through a Q buffer;
+//   the loader (thread 0) reads each task from task_ready and loads its K and V tiles. With two Q
+//     buffers it lets the taker take the next task (take_go) as it issues the loads of the current
+//     task's last kTakeAhead tiles, so that the atomic's round trip, the decoding and the Q load
+//     overlap the consumers' last tiles; with one, after the loads (the next Q waits for this
+//     task's buffer anyway; taking early measured 1-2% slower there).
+// One thread did both before: the next task's atomic, decoding and Q-buffer wait sat between two
+// tiles' loads, and the persistent plans ran 3.7-3.8% slower in GM (up to 12.5% on Q16K16,
+// benchmarks/results/h200_producer_taker). -DTESSERA_HOPPER_TAKE_AHEAD=0 takes the next task after
+// the loads in every kernel (an A/B switch).
+#ifndef TESSERA_HOPPER_TAKE_AHEAD
+#define TESSERA_HOPPER_TAKE_AHEAD 2
+#endif
+constexpr int kTakeAhead = TESSERA_HOPPER_TAKE_AHEAD;
+static_assert(kTakeAhead >= 0, "TESSERA_HOPPER_TAKE_AHEAD: tiles before a task's end, 0 for after its loads");
+constexpr int kTakerThread = 32;  // lane 0 of the producer warpgroup's second warp
+
 template <class T>
 __device__ void producer_loop_dynamic(const TesseraAttnParams& p, const TmaDescriptors& tma,
                                       typename T::Element* q_smem, typename T::Element* k_smem,
                                       typename T::Element* v_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
+  if (threadIdx.x == kTakerThread) {
+    cute::prefetch_tma_descriptor(&tma.q);
+    const int64_t tasks = num_tasks(p);
+    PipeState<T::kQStages> write_q;
+    uint32_t go_phase = 0;
+    int64_t task_id = blockIdx.x;
+    while (true) {
+      Task t{};
+      t.b = -1;
+      if (task_id < tasks) t = decode_task(p, task_id);  // before the wait: its reads overlap it
+      const int qs = write_q.stage;
+      Barrier::wait(&bar.q_empty[qs], write_q.phase ^ 1u);
+      write_q.advance();
+      bar.task[qs] = t;
+      Barrier::arrive(&bar.task_ready[qs]);
+      if (t.b >= 0 && t.tile_end > t.tile_begin)
+        load_q<T>(p, tma, t, q_smem + T::q_buffer_offset(qs), &bar.q_full[qs]);
+      else
+        Barrier::arrive(&bar.q_full[qs]);  // no Q to load: the consumers write the empty rows, or stop
+      if (t.b < 0) return;
+      Barrier::wait(&bar.take_go, go_phase);
+      go_phase ^= 1u;
+      task_id = int64_t(gridDim.x) + atomicAdd(p.task_counter, 1);
+    }
+  }
   if (threadIdx.x != 0) return;
-  cute::prefetch_tma_descriptor(&tma.q);
   cute::prefetch_tma_descriptor(&tma.k);
   cute::prefetch_tma_descriptor(&tma.v);
   PipeState<T::kStages> write;
-  PipeState<T::kQStages> write_q;
-  const int64_t tasks = num_tasks(p);
-  int64_t task_id = blockIdx.x;
+  PipeState<T::kQStages> read_q;
   while (true) {
-    // Decoded before the wait: its metadata reads overlap the consumers' last tiles.
-    const bool done = task_id >= tasks;
-    Task t{};
-    if (!done) t = decode_task(p, task_id);
-    const int qs = write_q.stage;
-    Barrier::wait(&bar.q_empty[qs], write_q.phase ^ 1u);
-    write_q.advance();
-    if (done) {
-      bar.task[qs].b = -1;
-      Barrier::arrive(&bar.q_full[qs]);
-      return;
-    }
-    bar.task[qs] = t;
-    int taken;
-    if (t.tile_end > t.tile_begin) {
-      // With two Q buffers the next task is taken while the last tiles' loads are issued (its Q then
-      // loads at once); with one, after them, as its Q waits for this task's buffer anyway (taking it
-      // early measured 1-2% slower there: benchmarks/results/h200_tma_store_epilogue).
-      constexpr bool kEarlyTake = T::kQStages == 2 && kTakeAhead > 0;
-      load_task<T>(p, tma, t, qs, q_smem, k_smem, v_smem, bar, write, kEarlyTake ? &taken : nullptr);
-      if constexpr (!kEarlyTake) taken = atomicAdd(p.task_counter, 1);
-    } else {
-      Barrier::arrive(&bar.q_full[qs]);  // no Q to load: the consumers only write the empty rows
-      taken = atomicAdd(p.task_counter, 1);
-    }
-    task_id = int64_t(gridDim.x) + taken;
+    Barrier::wait(&bar.task_ready[read_q.stage], read_q.phase);
+    const Task t = handed_task(bar.task[read_q.stage]);
+    read_q.advance();
+    if (t.b < 0) return;
+    constexpr bool kEarly = T::kQStages == 2 && kTakeAhead > 0;
+    const int go_at = kEarly ? max(t.tile_begin, t.tile_end - kTakeAhead) : t.tile_end;
+    load_tiles<T>(p, tma, t, k_smem, v_smem, bar, write, [&](int tile) {
+      if (tile == go_at) Barrier::arrive(&bar.take_go);
+    });
+    if (go_at >= t.tile_end) Barrier::arrive(&bar.take_go);  // not during the loads (or no tiles)
   }
 }
 
