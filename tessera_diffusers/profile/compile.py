@@ -305,7 +305,7 @@ def latest_profile_per_key(case_records: Mapping[tuple[int, str], dict],
     for key, files in sorted(dropped.items()):
         later = sum(1 for at in kept if keys[at] == key)
         earlier = ", ".join(f"{n} cases of {named(i)}" for i, n in sorted(files.items()))
-        notes.append(f"{key}: its {later} cases of {named(last[key])} supersede the earlier profile ({earlier} cases)")
+        notes.append(f"{key}: its {later} cases of {named(last[key])} supersede the earlier profile ({earlier})")
     return kept, notes
 
 
