@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--config", action="append", type=parse_config,
-                        help="GEOMETRY=REGEX over plan names (repeatable; default: four Hopper plans)")
+                        help="GEOMETRY=REGEX over plan names (repeatable; default: three direct Hopper plans)")
     parser.add_argument("--ks", default=DEFAULT_KS, help="comma-separated key blocks per query block")
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=24)
