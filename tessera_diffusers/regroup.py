@@ -35,6 +35,11 @@ which the kernel runs side by side.
                                                      sums every segment's groups)
     key_blocks = (natural, greedy)
 
+The torch code also takes ``lack_weight`` w (``LACK_WEIGHT``, 0, is the kernel's): the pick's count
+becomes popcount(row[c] & ~union) + w * popcount(union & ~row[c]), so w = 1 picks the candidate
+whose key set differs least from the union (popcount(row[c] ^ union)). A study of the choice,
+``benchmarks/grouping_criterion.py``, compares them (``benchmarks/results/grouping_criterion_cpu.md``).
+
 Segments cost little, since a group takes rows near its seed: ``DEFAULT_SEGMENT`` is the smallest
 of 128, 256 and 512 blocks that scheduled at most 1% more key blocks than one segment per head on
 every (family, source, g) of the corpus at N = 32k (Q16K16, Q32K16 and Q32K32, g = 2 .. 8, three
@@ -70,6 +75,7 @@ from .native_prepare import (
 
 DEFAULT_WINDOW = 64  # query blocks after a group's seed it may take
 DEFAULT_SEGMENT = 128  # query blocks per segment (module docstring)
+LACK_WEIGHT = 0  # the pick counts the blocks a candidate adds to the union only, as the kernel does
 # On the CPU the torch code groups its runs (segments) in batches whose candidate rows take at most
 # this many bytes: larger temporaries ran several times slower (24 heads of Q16K16 at N = 32k in
 # 192 segments of 256 rows, 2 cores: 17-22 s in one batch of 25 MB, 1.5-3 s in batches of 2-3 MB).
@@ -130,7 +136,8 @@ def natural_units(rows: int, slots: int, device: torch.device) -> torch.Tensor:
     return torch.where(units < rows, units, -1)
 
 
-def greedy_orders(rows: torch.Tensor, group: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_orders(rows: torch.Tensor, group: int, window: int,
+                  lack_weight: int = LACK_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy of the module docstring on ``rows`` ``[G, n, nKV]`` bool, each of its ``G`` runs
     of ``n`` rows on its own: ``(order, greedy)``, the order ``[G, ceil(n / group) * group]`` int64
     (-1 past the last row) and its key blocks ``[G]`` int64. The runs go side by side, on the CPU in
@@ -138,15 +145,20 @@ def greedy_orders(rows: torch.Tensor, group: int, window: int) -> tuple[torch.Te
     runs, n, n_kv = rows.shape
     per_batch = runs if rows.device.type != "cpu" else max(1, CPU_BATCH_BYTES // (max(1, min(window, n - 1)) * n_kv))
     if per_batch >= runs:
-        return greedy_batch(rows, group, window)
-    batches = [greedy_batch(rows[i:i + per_batch], group, window) for i in range(0, runs, per_batch)]
+        return greedy_batch(rows, group, window, lack_weight)
+    batches = [greedy_batch(rows[i:i + per_batch], group, window, lack_weight) for i in range(0, runs, per_batch)]
     return torch.cat([order for order, _ in batches]), torch.cat([greedy for _, greedy in batches])
 
 
-def greedy_batch(rows: torch.Tensor, group: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_batch(rows: torch.Tensor, group: int, window: int,
+                 lack_weight: int = LACK_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
     """``greedy_orders`` of every run at once, one pick at a time. Each candidate's count of key
     blocks outside the union is kept and lowered by the blocks each pick adds (exact integers, so
-    the same picks as recounting)."""
+    the same picks as recounting). The union's blocks a candidate lacks are ``popcount(union) -
+    (popcount(row[c]) - outside)``, and ``popcount(union)`` is the same for every candidate of a
+    pick: the argmin reads ``(1 + w) * outside - w * popcount(row[c])``."""
+    if isinstance(lack_weight, bool) or not isinstance(lack_weight, int) or lack_weight < 0:
+        raise InvalidArgumentError("lack_weight", "a non-negative int", repr(lack_weight))
     runs, n, n_kv = rows.shape
     device = rows.device
     run = torch.arange(runs, device=device)
@@ -168,9 +180,11 @@ def greedy_batch(rows: torch.Tensor, group: int, window: int) -> tuple[torch.Ten
             candidates = candidates.clamp(max=n - 1)
             candidate_rows = rows[run[:, None], candidates]  # [G, W', nKV]
             outside = (candidate_rows & ~union[:, None]).sum(-1)  # [G, W'] key blocks outside the union
+            own = candidate_rows.sum(-1) if lack_weight else None  # [G, W'] key blocks of each candidate
             for k in range(1, size):
                 open_ = free.gather(1, candidates) & in_range
-                best = torch.where(open_, outside, n_kv + 1).argmin(1)  # argmin: the lowest c of a tie
+                count = (1 + lack_weight) * outside - lack_weight * own if lack_weight else outside  # [G, W']
+                best = torch.where(open_, count, (1 + lack_weight) * n_kv + 1).argmin(1)  # argmin: the lowest c of a tie
                 first_after = (free & (positions > seed[:, None])).int().argmax(1)
                 pick = torch.where(open_.any(1), candidates[run, best], first_after)
                 free[run, pick] = False
@@ -183,11 +197,14 @@ def greedy_batch(rows: torch.Tensor, group: int, window: int) -> tuple[torch.Ten
 
 
 def group_query_blocks_torch(
-    blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW, *, segment: int = DEFAULT_SEGMENT
+    blocks: torch.Tensor, group: int, window: int = DEFAULT_WINDOW, *, segment: int = DEFAULT_SEGMENT,
+    lack_weight: int = LACK_WEIGHT,
 ) -> QueryGrouping:
     """The grouping of ``blocks`` ``[Bm, Hm, nQ, nKV]`` (bool, any strides) in torch, in segments of
     ``segment`` query blocks (module docstring): the segments of every head side by side
-    (``greedy_orders``), those of ``S`` rows together, then the heads' last, shorter ones."""
+    (``greedy_orders``), those of ``S`` rows together, then the heads' last, shorter ones.
+    ``lack_weight``: the pick's weight of the union's blocks a candidate lacks (module docstring;
+    only ``LACK_WEIGHT`` matches the CUDA kernel)."""
     check_arguments(blocks, group, window, segment)
     bm, hm, n_q, n_kv = blocks.shape
     device = blocks.device
@@ -200,12 +217,13 @@ def group_query_blocks_torch(
     rest = n_q - whole * length
     orders, greedy = [], torch.zeros(heads, dtype=torch.int64, device=device)
     if whole:
-        order, counts = greedy_orders(rows[:, :whole * length].reshape(heads * whole, length, n_kv), group, window)
+        order, counts = greedy_orders(rows[:, :whole * length].reshape(heads * whole, length, n_kv), group, window,
+                                      lack_weight)
         first = torch.arange(whole, device=device)[:, None] * length  # [whole, 1] each segment's first row
         orders.append((order.view(heads, whole, length) + first).view(heads, whole * length))
         greedy += counts.view(heads, whole).sum(1)
     if rest:
-        order, counts = greedy_orders(rows[:, whole * length:], group, window)
+        order, counts = greedy_orders(rows[:, whole * length:], group, window, lack_weight)
         orders.append(torch.where(order >= 0, order + whole * length, -1))
         greedy += counts
     order = torch.cat(orders, 1)  # [G, num_slots]

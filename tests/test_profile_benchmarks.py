@@ -530,6 +530,24 @@ def test_warpgroup_idle_counts_one_sided_tiles_in_both_orders():
     assert (shared, loads, work) == (pytest.approx(1 / 5), pytest.approx(5 / 6), pytest.approx(10 / 6))
 
 
+def test_grouping_criterion_counts_packed_tiles_per_lack_weight():
+    """Four 64 x 64 query blocks {0..3}, {4}, {0..4}, {4} in 128 x 128 tiles (two blocks a side):
+    the natural pairs' unions {0..4}, {0..4} pack into 3 + 3 tiles; weighing the lacking blocks
+    pairs rows 0 and 2 ({0..4}: 3 tiles) and rows 1 and 3 ({4}: 1 tile). Active work: 11 blocks
+    over 4 per tile."""
+    study = load("grouping_criterion")
+    rows = [{0, 1, 2, 3}, {4}, {0, 1, 2, 3, 4}, {4}]
+    blocks = torch.zeros(1, 4, 5, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        blocks[0, i, sorted(row)] = True
+    work = study.tile_work(blocks, 64, 64, 128, weights=(0, 1))
+    active = 11 / 4
+    assert work == {"natural": pytest.approx(6 / active), "w=0": pytest.approx(6 / active),
+                    "w=1": pytest.approx(4 / active)}
+    order = torch.tensor([[0, 2, 1, 3]])
+    assert study.scheduled_tiles(blocks, order, 2, 2) == 4
+
+
 def test_isolated_tests_records_a_hang_and_runs_the_tests_after_it(tmp_path, capsys):
     """benchmarks/isolated_tests.py: a test that never returns is killed after the timeout and
     recorded as a hang, the tests after it still run (in a new child), and failures are reported."""

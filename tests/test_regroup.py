@@ -29,10 +29,11 @@ WINDOWS = (1, 3, DEFAULT_WINDOW)
 
 
 def scalar_grouping(
-    rows: list[set[int]], group: int, window: int, segment: int = 0
+    rows: list[set[int]], group: int, window: int, segment: int = 0, lack_weight: int = regroup.LACK_WEIGHT
 ) -> tuple[list[int], tuple[int, int]]:
     """The module docstring's algorithm for one head, one set operation at a time: the greedy in
-    each segment of ``segment`` rows rounded up to whole groups (0: one segment)."""
+    each segment of ``segment`` rows rounded up to whole groups (0: one segment); a pick counts a
+    candidate's blocks outside the union plus ``lack_weight`` times the union's it lacks."""
     n = len(rows)
     length = -(-segment // group) * group or n
     free = [True] * n
@@ -50,7 +51,7 @@ def scalar_grouping(
             for _ in range(1, min(group, hi - len(order) + 1)):
                 candidates = [c for c in range(seed + 1, min(seed + window, hi - 1) + 1) if free[c]]
                 if candidates:
-                    pick = min(candidates, key=lambda c: (len(rows[c] - union), c))
+                    pick = min(candidates, key=lambda c: (len(rows[c] - union) + lack_weight * len(union - rows[c]), c))
                 else:
                     pick = next(c for c in range(seed + 1, hi) if free[c])
                 free[pick] = False
@@ -104,14 +105,15 @@ def scheduled_key_blocks(blocks: torch.Tensor, q_units: torch.Tensor, group: int
     return group_activity(permuted_blocks(blocks, q_units), group, dim=-2).sum((-2, -1))
 
 
-def assert_equals_the_scalar_algorithm(blocks: torch.Tensor, group: int, window: int, segment: int, label: str):
-    grouping = group_query_blocks_torch(blocks, group, window, segment=segment)
+def assert_equals_the_scalar_algorithm(blocks: torch.Tensor, group: int, window: int, segment: int, label: str,
+                                       lack_weight: int = regroup.LACK_WEIGHT):
+    grouping = group_query_blocks_torch(blocks, group, window, segment=segment, lack_weight=lack_weight)
     bm, hm = blocks.shape[:2]
     units = grouping.q_units.reshape(bm * hm, -1).tolist()
     key_blocks = grouping.key_blocks.reshape(bm * hm, 2).tolist()
     for head, rows in enumerate(key_sets(blocks)):
-        order, counts = scalar_grouping(rows, group, window, segment)
-        where = f"{label} head {head} g={group} W={window} S={segment}"
+        order, counts = scalar_grouping(rows, group, window, segment, lack_weight)
+        where = f"{label} head {head} g={group} W={window} S={segment} w={lack_weight}"
         assert units[head] == order, where
         assert tuple(key_blocks[head]) == counts, where
 
@@ -120,6 +122,27 @@ def assert_equals_the_scalar_algorithm(blocks: torch.Tensor, group: int, window:
 def test_torch_grouping_equals_the_scalar_algorithm(group, window):
     for label, blocks in test_cases():
         assert_equals_the_scalar_algorithm(blocks, group, window, 0, label)
+
+
+@pytest.mark.parametrize("lack_weight", [0, 1, 2])
+@pytest.mark.parametrize("group", [2, 4], ids=str)
+def test_torch_grouping_weighing_lacking_blocks_equals_the_scalar_algorithm(group, lack_weight):
+    for label, blocks in test_cases():
+        assert_equals_the_scalar_algorithm(blocks, group, DEFAULT_WINDOW, 0, label, lack_weight)
+        assert_equals_the_scalar_algorithm(blocks, group, 3, 8, label, lack_weight)
+
+
+def test_lack_weight_one_picks_the_row_most_alike_not_the_smallest():
+    # Seed 0 ({0..3}): rows 1, 2 and 3 each add one key block, but row 2 lacks none of the seed's.
+    # Counting only what a row adds takes row 1 (the lowest of the tie), which leaves rows 2 and 3
+    # to pair: no better than the natural order, which then wins the tie.
+    blocks = rows_to_blocks([{0, 1, 2, 3}, {4}, {0, 1, 2, 3, 4}, {4}], 5)
+    added_only = group_query_blocks_torch(blocks, 2, 3, lack_weight=0)
+    assert added_only.q_units.flatten().tolist() == [0, 1, 2, 3]
+    assert added_only.key_blocks.flatten().tolist() == [10, 10]
+    difference = group_query_blocks_torch(blocks, 2, 3, lack_weight=1)
+    assert difference.q_units.flatten().tolist() == [0, 2, 1, 3]
+    assert difference.key_blocks.flatten().tolist() == [10, 6]
 
 
 def segmented_cases() -> list[tuple[str, torch.Tensor]]:
@@ -293,10 +316,13 @@ def test_permuted_blocks_reads_rows_in_order_and_leaves_padding_empty():
     (lambda b: group_query_blocks(b, 2, segment=2.0), "segment"),
     (lambda b: group_query_blocks(b, 2, segment=True), "segment"),
     (lambda b: group_query_blocks_torch(b, 2, segment=None), "segment"),
+    (lambda b: group_query_blocks_torch(b, 2, lack_weight=-1), "lack_weight"),
+    (lambda b: group_query_blocks_torch(b, 2, lack_weight=0.5), "lack_weight"),
     (lambda b: permuted_blocks(b, torch.zeros(1, 1, 4)), "q_units"),
     (lambda b: permuted_blocks(b, torch.zeros(2, 1, 4, dtype=torch.int32)), "q_units"),
 ], ids=["group 0", "window 0", "float group", "bool group", "float blocks", "3-D blocks", "no rows",
-        "native on cpu", "negative segment", "float segment", "bool segment", "no segment", "float q_units",
+        "native on cpu", "negative segment", "float segment", "bool segment", "no segment", "negative lack_weight",
+        "float lack_weight", "float q_units",
         "q_units of another shape"])
 def test_bad_arguments_raise(call, argument):
     blocks = random_blocks(1, 1, 4, 3, 0.5, seed=10)
