@@ -157,8 +157,6 @@ def greedy_batch(rows: torch.Tensor, group: int, window: int,
     the same picks as recounting). The union's blocks a candidate lacks are ``popcount(union) -
     (popcount(row[c]) - outside)``, and ``popcount(union)`` is the same for every candidate of a
     pick: the argmin reads ``(1 + w) * outside - w * popcount(row[c])``."""
-    if isinstance(lack_weight, bool) or not isinstance(lack_weight, int) or lack_weight < 0:
-        raise InvalidArgumentError("lack_weight", "a non-negative int", repr(lack_weight))
     runs, n, n_kv = rows.shape
     device = rows.device
     run = torch.arange(runs, device=device)
@@ -184,7 +182,8 @@ def greedy_batch(rows: torch.Tensor, group: int, window: int,
             for k in range(1, size):
                 open_ = free.gather(1, candidates) & in_range
                 count = (1 + lack_weight) * outside - lack_weight * own if lack_weight else outside  # [G, W']
-                best = torch.where(open_, count, (1 + lack_weight) * n_kv + 1).argmin(1)  # argmin: the lowest c of a tie
+                # argmin: the lowest c of a tie
+                best = torch.where(open_, count, (1 + lack_weight) * n_kv + 1).argmin(1)
                 first_after = (free & (positions > seed[:, None])).int().argmax(1)
                 pick = torch.where(open_.any(1), candidates[run, best], first_after)
                 free[run, pick] = False
@@ -206,6 +205,8 @@ def group_query_blocks_torch(
     ``lack_weight``: the pick's weight of the union's blocks a candidate lacks (module docstring;
     only ``LACK_WEIGHT`` matches the CUDA kernel)."""
     check_arguments(blocks, group, window, segment)
+    if isinstance(lack_weight, bool) or not isinstance(lack_weight, int) or lack_weight < 0:
+        raise InvalidArgumentError("lack_weight", "a non-negative int", repr(lack_weight))
     bm, hm, n_q, n_kv = blocks.shape
     device = blocks.device
     rows = blocks.reshape(bm * hm, n_q, n_kv)  # [G, nQ, nKV]
