@@ -24,6 +24,7 @@ import torch
 
 from tessera_diffusers.bench.metrics import geometric_mean
 from tessera_diffusers.corpus import BENCH_32K, study_cases, study_parser
+from tessera_diffusers.mask_state import group_activity
 from tessera_diffusers.regroup import group_query_blocks_torch, natural_units, num_slots, permuted_blocks
 
 TILES = (64, 128)  # query and key rows of the grouped plans' square tiles
@@ -33,8 +34,7 @@ WEIGHTS = (0, 1, 2)  # lack weights compared (0: the kernel's)
 def scheduled_tiles(blocks: torch.Tensor, q_units: torch.Tensor, group: int, per_tile: int) -> int:
     """Tiles of ``group`` query blocks x ``per_tile`` key blocks that the order ``q_units``
     ``[H, slots]`` schedules on ``blocks`` ``[H, nQ, nKV]`` bool: per group, its union packed."""
-    rows = permuted_blocks(blocks[None], q_units[None])[0]  # [H, slots, nKV]
-    union = rows.view(rows.shape[0], -1, group, rows.shape[-1]).any(2).sum(-1)  # [H, groups]
+    union = group_activity(permuted_blocks(blocks[None], q_units[None])[0], group, dim=-2).sum(-1)  # [H, groups]
     return int(((union + per_tile - 1) // per_tile).sum())
 
 
