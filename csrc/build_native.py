@@ -8,6 +8,10 @@ One translation unit per kernel row of ``tessera_diffusers/kernel_table.py`` is 
 runs in parallel), plus ``library.cu`` with the C ABI. The manifest ``manifest.json`` lists what
 was compiled; the runtime checks it against the kernel table.
 
+Rebuilds are incremental: an object is compiled again only when its nvcc command changed or a file
+it includes (nvcc's own dependency list, ``-MD``) is newer than it, so an edit of one header
+recompiles the translation units that include it. ``--rebuild`` compiles everything.
+
 Environment: ``TESSERA_CUDA_ARCHS`` ("80;90" by default; "none" skips the build), ``MAX_JOBS``,
 ``NVCC`` (path to nvcc), ``TESSERA_NVCC_FLAGS`` (extra nvcc flags, e.g. ``-DNAME`` switches of a
 timing study built beside the real library).
@@ -31,7 +35,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LIBRARY_NAME = "libtessera_kernels.so"
 DEFAULT_ARCHS = "80;90"
-
+# The grouping kernel's own sources (relative to csrc/), hashed apart from the attention kernels'
+# (``grouping_sources`` of the manifest): the natural plans never run it, so a change to it leaves
+# the plan table's natural keys valid. The headers it shares with the rest count in both hashes.
+GROUPING_SOURCES = (
+    "include/tessera/regroup.cuh", "include/tessera/prepare.cuh", "include/tessera/params.h", "kernels/library.cu")
+GROUPING_ONLY = ("include/tessera/regroup.cuh",)  # left out of the attention kernels' hash
 
 
 def load_kernel_table():
@@ -135,12 +144,46 @@ def cutlass_include() -> str | None:
 
 
 def compile_one(nvcc: str, source: str, obj: str, flags: list[str]) -> tuple[str, float, str]:
+    """Compile ``source`` into ``obj`` (and its dependency list ``obj.d``), then stamp the command
+    (``obj.cmd``) that made it; ``(source, seconds, stderr)``."""
     start = time.time()
-    cmd = [nvcc, "-c", source, "-o", obj] + flags
+    cmd = [nvcc, "-c", source, "-o", obj, "-MD", "-MF", obj + ".d"] + flags
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {os.path.basename(source)}:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
+    with open(obj + ".cmd", "w") as f:
+        f.write(command_stamp(nvcc, source, flags))
+    with open(obj + ".log", "w") as f:  # ptxas -v of this object, for ptxas.log when it is reused
+        f.write(proc.stderr)
     return source, time.time() - start, proc.stderr
+
+
+def command_stamp(nvcc: str, source: str, flags: list[str]) -> str:
+    return "\0".join([nvcc, source] + flags)
+
+
+def depfile_paths(text: str) -> list[str]:
+    """The prerequisites of a make rule as nvcc ``-MD`` writes it (``obj : a.cu \\ h.cuh ...``)."""
+    body = text.replace("\\\n", " ")
+    _, _, prerequisites = body.partition(": ")
+    return prerequisites.split()
+
+
+def object_is_current(nvcc: str, source: str, obj: str, flags: list[str]) -> bool:
+    """Whether ``obj`` was made by this nvcc command from files none of which changed since: its
+    command stamp matches and no file of its dependency list is newer than it (or gone)."""
+    try:
+        built = os.path.getmtime(obj)
+        with open(obj + ".cmd") as f:
+            if f.read() != command_stamp(nvcc, source, flags):
+                return False
+        with open(obj + ".d") as f:
+            deps = depfile_paths(f.read())
+        if not os.path.exists(obj + ".log"):
+            return False
+        return bool(deps) and all(os.path.getmtime(d) <= built for d in deps)
+    except OSError:
+        return False
 
 
 def build_native_library(
@@ -150,9 +193,11 @@ def build_native_library(
     jobs: int | None = None,
     log=lambda msg, level=2: print(msg, flush=True),
     build_dir: str | None = None,
+    rebuild: bool = False,
 ) -> str | None:
     """Compile the catalog into ``out_dir/libtessera_kernels.so``; returns its path or None when
-    skipped (no nvcc, or TESSERA_CUDA_ARCHS=none)."""
+    skipped (no nvcc, or TESSERA_CUDA_ARCHS=none). Objects that are current (``object_is_current``)
+    are reused unless ``rebuild``."""
     archs = archs or os.environ.get("TESSERA_CUDA_ARCHS", DEFAULT_ARCHS)
     if archs.strip().lower() in ("none", "off", "0", ""):
         log("tessera: TESSERA_CUDA_ARCHS=none, skipping the native library (reference path only)", 2)
@@ -202,18 +247,24 @@ def build_native_library(
     sources.append((os.path.join(HERE, "kernels", "library.cu"), portable_flags))
 
     jobs = jobs or int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
-    log(f"tessera: compiling {len(rows)} kernels for sm {archs} with {jobs} jobs", 2)
-    objects, ptxas_logs = [], []
+    objects, ptxas_logs, stale = [], {}, []
+    for src, flags in sources:
+        obj = os.path.join(build_dir, os.path.basename(src).replace(".cu", ".o"))
+        objects.append(obj)
+        if not rebuild and object_is_current(nvcc, src, obj, flags):
+            with open(obj + ".log") as f:
+                ptxas_logs[src] = f"== {os.path.basename(src)} (reused)\n{f.read()}"
+        else:
+            stale.append((src, obj, flags))
+    reused = len(sources) - len(stale)
+    log(f"tessera: compiling {len(stale)} of {len(sources)} translation units ({len(rows)} kernels) for sm {archs} "
+        f"with {jobs} jobs" + (f"; {reused} are current" if reused else ""), 2)
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {}
-        for src, flags in sources:
-            obj = os.path.join(build_dir, os.path.basename(src).replace(".cu", ".o"))
-            objects.append(obj)
-            futures[pool.submit(compile_one, nvcc, src, obj, flags)] = src
+        futures = {pool.submit(compile_one, nvcc, src, obj, flags): src for src, obj, flags in stale}
         for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
             src, seconds, stderr = fut.result()
-            ptxas_logs.append(f"== {os.path.basename(src)} ({seconds:.0f}s)\n{stderr}")
-            log(f"tessera: [{done}/{len(sources)}] {os.path.basename(src)} {seconds:.0f}s", 2)
+            ptxas_logs[src] = f"== {os.path.basename(src)} ({seconds:.0f}s)\n{stderr}"
+            log(f"tessera: [{done}/{len(stale)}] {os.path.basename(src)} {seconds:.0f}s", 2)
 
     lib = os.path.join(out_dir, LIBRARY_NAME)
     link = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-o", lib] + objects
@@ -221,7 +272,7 @@ def build_native_library(
     if proc.returncode != 0:
         raise RuntimeError(f"link failed:\n{' '.join(link)}\n{proc.stderr[-4000:]}")
     with open(os.path.join(build_dir, "ptxas.log"), "w") as f:
-        f.write("\n".join(ptxas_logs))
+        f.write("\n".join(ptxas_logs[src] for src, _ in sources))
     nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     manifest = {
         "abi_version": abi_version(),
@@ -233,7 +284,9 @@ def build_native_library(
             {r.name: instantiation_source(r) for r in rows},
             [portable_flags, hopper_flags],
             [nvcc_version, cutlass_version()],
+            exclude=GROUPING_ONLY,
         ),
+        "grouping_sources": grouping_sources_hash([portable_flags], [nvcc_version]),
         "nvcc": nvcc_version,
     }
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
@@ -243,23 +296,43 @@ def build_native_library(
 
 
 def kernel_sources_hash(
-    source_dirs: list[str], generated: dict[str, str], flag_sets: list[list[str]], tools: list[str]
+    source_dirs: list[str], generated: dict[str, str], flag_sets: list[list[str]], tools: list[str],
+    exclude: tuple[str, ...] = (),
 ) -> str:
     """What the compiled kernels are made of, as one short hash: every file under ``source_dirs``
-    (relative names and bytes), the generated instantiations, the nvcc flags (include paths left
-    out: they name this machine) and the tool versions. A plan table profiled on a library with
-    another hash ranked other kernels (``PlanTable.sources_mismatch``)."""
+    (relative names and bytes) but those named in ``exclude`` (relative to the directories'
+    parent), the generated instantiations, the nvcc flags (include paths left out: they name this
+    machine) and the tool versions. A plan table profiled on a library with another hash ranked
+    other kernels (``PlanTable.sources_mismatch``)."""
     digest = hashlib.sha256()
     for top in source_dirs:
         for dirpath, dirnames, filenames in os.walk(top):
             dirnames.sort()
             for name in sorted(filenames):
                 path = os.path.join(dirpath, name)
-                digest.update(os.path.relpath(path, os.path.dirname(top)).encode() + b"\0")
+                relative = os.path.relpath(path, os.path.dirname(top))
+                if relative in exclude:
+                    continue
+                digest.update(relative.encode() + b"\0")
                 with open(path, "rb") as f:
                     digest.update(f.read() + b"\0")
     for name, text in sorted(generated.items()):
         digest.update(f"{name}\0{text}\0".encode())
+    for flags in flag_sets:
+        digest.update(" ".join(f for f in flags if not f.startswith("-I")).encode() + b"\0")
+    for tool in tools:
+        digest.update(f"{tool}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def grouping_sources_hash(flag_sets: list[list[str]], tools: list[str], root: str = HERE) -> str:
+    """The grouping kernel's ``kernel_sources_hash``: the files of ``GROUPING_SOURCES`` under ``root``,
+    the flags of ``library.cu`` and the tools."""
+    digest = hashlib.sha256()
+    for relative in GROUPING_SOURCES:
+        digest.update(relative.encode() + b"\0")
+        with open(os.path.join(root, relative), "rb") as f:
+            digest.update(f.read() + b"\0")
     for flags in flag_sets:
         digest.update(" ".join(f for f in flags if not f.startswith("-I")).encode() + b"\0")
     for tool in tools:
@@ -299,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="regex over kernel names (a smoke subset)")
     parser.add_argument("--jobs", type=int, default=None)
     parser.add_argument("--build-dir", default=None)
+    parser.add_argument("--rebuild", action="store_true", help="compile every translation unit, current or not")
     args = parser.parse_args(argv)
-    lib = build_native_library(args.out, args.archs, args.only, args.jobs, build_dir=args.build_dir)
+    lib = build_native_library(args.out, args.archs, args.only, args.jobs, build_dir=args.build_dir,
+                               rebuild=args.rebuild)
     return 0 if lib else 1
 
 

@@ -147,11 +147,12 @@ def available_kernels() -> tuple[KernelSpec, ...]:
     return tuple(kernel_spec_from_row(rows[name]) for name in lib.kernel_ids)
 
 
-def kernel_sources() -> str | None:
-    """The loaded library's ``kernel_sources`` hash (its manifest; ``csrc/build_native.py``), or
-    None when no library loads or its manifest predates the hash."""
+def kernel_sources(part: str = "kernel_sources") -> str | None:
+    """A source hash of the loaded library's manifest (``csrc/build_native.py``): ``kernel_sources``
+    (the attention kernels and what the natural plans run) or ``grouping_sources`` (the grouping
+    kernel), or None when no library loads or its manifest predates that hash."""
     try:
-        return load_library().manifest.get("kernel_sources")
+        return load_library().manifest.get(part)
     except CatalogError:
         return None
 

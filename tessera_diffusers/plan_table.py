@@ -30,10 +30,13 @@ File format (JSON, no pickles)::
                                   "schedules": [{"stat": "density", "le": 0.075, "below": <plan>,
                                                  "above": <plan>, "cases": [n_below, n_above]}]}]}}}},
        "provenance": {"built_at": ..., "cases": n, "records": [...],
-                      "kernel_sources": [<the profiled libraries' manifest hashes>], ...}}}
+                      "kernel_sources": [<the profiled libraries' manifest hashes>],
+                      "grouping_sources": [<their grouping kernels'>], ...}}}
 
 ``provenance.kernel_sources`` (absent in tables from older records) lets the selector tell a table
 profiled on other kernel code than the loaded library's (``sources_mismatch``): warned, still used.
+``provenance.grouping_sources`` does the same for the grouping kernel, which only grouped plans run:
+its hashes come from the records of the cases that timed grouped plans (the ``/reused`` keys).
 
 A regime's *schedule rules* (optional) choose the task organization of one tile group — plans that
 share geometry, KV layout and kernel tile (``tile_group``) and differ only in traversal, split-K,
@@ -312,28 +315,39 @@ class PlanTable:
         object.__setattr__(self, "_last_catalog_check", (kernels, mismatch))
         return mismatch
 
-    def sources_mismatch(self, library: str | None) -> str | None:
+    def sources_mismatch(self, library: str | None, grouping: str | None = None) -> str | None:
         """Why this table's rankings may be stale for the loaded library, or None: the profile ran
         on kernels built from other sources (``provenance["kernel_sources"]``, the libraries'
-        ``kernel_sources`` hashes) than ``library`` was. The catalog hash cannot see this (it names
-        tile shapes, not code). Unknown on either side (older tables and libraries): None."""
-        profiled = self.provenance.get("kernel_sources")
+        ``kernel_sources`` hashes) than ``library`` was, or its grouped plans ran another grouping
+        kernel (``provenance["grouping_sources"]``, of the cases that timed grouped plans) than
+        ``grouping``. The catalog hash cannot see this (it names tile shapes, not code). Unknown on
+        either side (older tables and libraries): no note."""
+        notes = [note for note in (self._sources_note("kernel_sources", library, "kernels"),
+                                   self._sources_note("grouping_sources", grouping, "the grouped plans' grouping kernel"))
+                 if note]
+        if not notes:
+            return None
+        # The hashes cover the kernel sources, nvcc flags and tool versions: a library built from
+        # the same sources with another nvcc or arch list differs too, and its kernels may time
+        # differently; say so rather than suggest the kernels were edited.
+        advice = ("the kernel sources, nvcc flags (TESSERA_CUDA_ARCHS, TESSERA_NVCC_FLAGS) or nvcc / CUTLASS "
+                  "versions differ; the table is still used, re-profile with `tessera profile` to fit it to this library")
+        return f"{'; '.join(notes)} ({advice})"
+
+    def _sources_note(self, field: str, library: str | None, what: str) -> str | None:
+        """``sources_mismatch``'s note on one provenance field, or None."""
+        profiled = self.provenance.get(field)
         if not library or not profiled:
             return None
         profiled = sorted({profiled} if isinstance(profiled, str) else set(profiled))
         if profiled == [library]:
             return None
-        # The hash covers the kernel sources, nvcc flags and tool versions: a library built from
-        # the same sources with another nvcc or arch list differs too, and its kernels may time
-        # differently; say so rather than suggest the kernels were edited.
-        advice = ("the kernel sources, nvcc flags (TESSERA_CUDA_ARCHS, TESSERA_NVCC_FLAGS) or nvcc / CUTLASS "
-                  "versions differ; the table is still used, re-profile with `tessera profile` to fit it to this library")
         if library in profiled:
             others = [h for h in profiled if h != library]
-            return (f"part of plan table {self.name} was profiled on kernels built from other sources "
-                    f"({', '.join(others)}) than the loaded library ({library}): {advice}")
-        return (f"plan table {self.name} was profiled on kernels built from sources {', '.join(profiled)}, "
-                f"the loaded library from {library}: its rankings may be stale ({advice})")
+            return (f"part of plan table {self.name} was profiled on {what} built from other sources "
+                    f"({', '.join(others)}) than the loaded library's ({library})")
+        return (f"plan table {self.name} was profiled on {what} built from sources {', '.join(profiled)}, "
+                f"the loaded library's from {library}: its rankings may be stale")
 
     def to_dict(self) -> dict:
         """The artifact (with format, schema version and checksum), ready for ``json.dump``."""

@@ -151,14 +151,15 @@ def library_kernels() -> tuple[KernelSpec, ...]:
     return ops.available_kernels()
 
 
-def library_kernel_sources(cuda: bool = True) -> str | None:
-    """The ``kernel_sources`` hash of the native library (``ops.kernel_sources``): None off CUDA
-    (``cuda`` False), without a library, or for a library built before the hash existed."""
+def library_kernel_sources(cuda: bool = True, part: str = "kernel_sources") -> str | None:
+    """A source hash of the native library (``ops.kernel_sources``; ``part`` "grouping_sources" for
+    the grouping kernel's): None off CUDA (``cuda`` False), without a library, or for a library
+    built before that hash existed."""
     if not cuda:
         return None
     from . import ops
 
-    return ops.kernel_sources()
+    return ops.kernel_sources(part)
 
 
 @lru_cache(maxsize=256)
@@ -336,7 +337,8 @@ class Selector:
             (warn or warn_user)(f"tessera: {table_note}")
         stale_note = None
         if table is not None and self.kernels is None:  # kernels of the loaded library
-            stale_note = table.sources_mismatch(library_kernel_sources(arch != "cpu"))
+            stale_note = table.sources_mismatch(library_kernel_sources(arch != "cpu"),
+                                                library_kernel_sources(arch != "cpu", "grouping_sources"))
             if stale_note is not None:
                 (warn or warn_user)(f"tessera: {stale_note}")
         ctx = ArchContext(kernels, kernels_note, table, table_note, stale_note)

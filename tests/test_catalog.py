@@ -138,20 +138,73 @@ def test_kernel_sources_hash_sees_code_flags_and_tools_not_paths(tmp_path):
     assert digest() != base  # a new file counts
 
 
+def test_grouping_kernel_sources_are_hashed_apart_from_the_attention_kernels(tmp_path):
+    """An edit of the grouping kernel's own header changes the grouping hash only; an edit of a
+    header both compile changes both."""
+    build = build_native_module()
+    root = tmp_path / "csrc"
+    for relative in build.GROUPING_SOURCES + ("include/tessera/hopper/mainloop.cuh",):
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(f"// {relative}\n")
+
+    def hashes():
+        attention = build.kernel_sources_hash([str(root / "include"), str(root / "kernels")], {}, [["-O3"]],
+                                              ["nvcc 13.0"], exclude=build.GROUPING_ONLY)
+        return attention, build.grouping_sources_hash([["-O3"]], ["nvcc 13.0"], root=str(root))
+
+    base = hashes()
+    (root / "include/tessera/regroup.cuh").write_text("// the pick counts the symmetric difference\n")
+    edited = hashes()
+    assert edited[0] == base[0] and edited[1] != base[1]
+    (root / "include/tessera/params.h").write_text("// ABI 6\n")
+    shared = hashes()
+    assert shared[0] != edited[0] and shared[1] != edited[1]
+    (root / "include/tessera/hopper/mainloop.cuh").write_text("// v2\n")
+    assert hashes()[1] == shared[1]
+
+
+def test_an_object_is_reused_only_while_its_command_and_inputs_are_unchanged(tmp_path):
+    """The incremental build's check: nvcc's dependency list (line continuations included), the
+    command stamp, and no input newer than the object."""
+    build = build_native_module()
+    src, header, obj = tmp_path / "k.cu", tmp_path / "k.cuh", tmp_path / "k.o"
+    for path in (src, header, obj):
+        path.write_text("x")
+    assert build.depfile_paths(f"{obj} : {src} \\\n    {header}\n") == [str(src), str(header)]
+    flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
+    assert not build.object_is_current("nvcc", str(src), str(obj), flags)  # never stamped
+    (tmp_path / "k.o.d").write_text(f"{obj} : {src} \\\n    {header}\n")
+    (tmp_path / "k.o.cmd").write_text(build.command_stamp("nvcc", str(src), flags))
+    (tmp_path / "k.o.log").write_text("ptxas info")
+    old, new = 1_000_000_000, 1_000_000_100
+    for path in (src, header):
+        os.utime(path, (old, old))
+    os.utime(obj, (new, new))
+    assert build.object_is_current("nvcc", str(src), str(obj), flags)
+    assert not build.object_is_current("nvcc", str(src), str(obj), flags + ["-DSTUDY"])  # other flags
+    os.utime(header, (new + 1, new + 1))
+    assert not build.object_is_current("nvcc", str(src), str(obj), flags)  # an included file changed
+    os.utime(header, (old, old))
+    header.unlink()
+    assert not build.object_is_current("nvcc", str(src), str(obj), flags)  # an included file is gone
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_native_smoke_subset_compiles_and_links(tmp_path):
     """Build breaks cannot land: compile and link two catalog entries (one per dtype) for sm90."""
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "csrc", "build_native.py"), "--archs", "90", "--jobs", "2",
-         "--only", "t64x128_d128_(bf16|fp16)_s2", "--out", str(tmp_path / "lib"), "--build-dir", str(tmp_path / "b")],
-        capture_output=True, text=True, timeout=600,
-    )
+    command = [sys.executable, os.path.join(ROOT, "csrc", "build_native.py"), "--archs", "90", "--jobs", "2",
+               "--only", "t64x128_d128_(bf16|fp16)_s2", "--out", str(tmp_path / "lib"), "--build-dir", str(tmp_path / "b")]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "lib" / "libtessera_kernels.so").stat().st_size > 0
     log = (tmp_path / "b" / "ptxas.log").read_text()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)  # nothing changed: relink only
+    assert again.returncode == 0 and "compiling 0 of" in again.stdout, again.stdout[-3000:]
+    assert (tmp_path / "b" / "ptxas.log").read_text().count("(reused)") == log.count("\n== ") + 1
     assert "bytes spill stores" in log
     manifest = json.loads((tmp_path / "lib" / "manifest.json").read_text())
     assert len(manifest["kernel_sources"]) == 16  # what a plan table's profile is checked against
+    assert len(manifest["grouping_sources"]) == 16 and manifest["grouping_sources"] != manifest["kernel_sources"]
     if importlib.util.find_spec("cutlass_library") is not None:  # the Hopper family builds with CuTe headers
         hopper = [name for name in manifest["kernels"] if name.startswith("hopper_")]
         assert len(hopper) == 2, manifest["kernels"]

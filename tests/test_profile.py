@@ -289,7 +289,8 @@ def test_kernel_sources_of_the_profiled_library_reach_the_table(tmp_path, monkey
     table's provenance; records of two libraries built from different sources are flagged."""
     from tessera_diffusers.profile import runner
 
-    monkeypatch.setattr(runner, "library_kernel_sources", lambda cuda=True: "src-one")
+    monkeypatch.setattr(runner, "library_kernel_sources",
+                        lambda cuda=True, part="kernel_sources": "src-one" if part == "kernel_sources" else None)
     config = smoke_config(tmp_path, families=("Q64K64",), sources=("sliding_tile",), max_cases=1, progress=False,
                           interleave=False)
     run_profile(config, measure=injected, log=lambda m: None)
@@ -300,7 +301,8 @@ def test_kernel_sources_of_the_profiled_library_reach_the_table(tmp_path, monkey
     assert table.provenance["kernel_sources"] == ["src-one"]
     assert table.sources_mismatch("src-one") is None
 
-    monkeypatch.setattr(runner, "library_kernel_sources", lambda cuda=True: "src-two")
+    monkeypatch.setattr(runner, "library_kernel_sources",
+                        lambda cuda=True, part="kernel_sources": "src-two" if part == "kernel_sources" else None)
     run_profile(ProfileConfig(**{**config.__dict__, "max_cases": 2, "sources": ("sliding_tile", "temporal_heads")}),
                 measure=injected, log=lambda m: None)
     profile = load_profile([tmp_path / RECORDS_FILE])
@@ -309,6 +311,65 @@ def test_kernel_sources_of_the_profiled_library_reach_the_table(tmp_path, monkey
     table, _ = compile_table(profile)
     assert "part of plan table" in table.sources_mismatch("src-two")
     assert "may be stale" in table.sources_mismatch("src-three")
+
+
+def test_grouping_sources_count_only_for_cases_that_timed_grouped_plans(tmp_path, monkeypatch):
+    """The grouping kernel's hash reaches the table from the files whose kept cases timed a grouped
+    plan, so a grouping change leaves natural keys fresh; records from before the split (one
+    whole-tree hash) read as its two parts (``SPLIT_SOURCES``)."""
+    from tessera_diffusers.profile import runner
+    from tessera_diffusers.profile.compile import SPLIT_SOURCES, catalog_sources
+
+    hashes = {"kernel_sources": "att-1", "grouping_sources": "grp-1"}
+    monkeypatch.setattr(runner, "library_kernel_sources", lambda cuda=True, part="kernel_sources": hashes[part])
+    config = smoke_config(tmp_path, families=("Q32K16",), sources=("sliding_tile",), max_cases=1, progress=False,
+                          interleave=False)
+    run_profile(config, measure=injected, log=lambda m: None)
+    natural = records(tmp_path)
+    (catalog,) = [r for r in natural if r["type"] == "catalog"]
+    assert (catalog["kernel_sources"], catalog["grouping_sources"]) == ("att-1", "grp-1")
+    profile = load_profile([tmp_path / RECORDS_FILE])
+    assert profile.kernel_sources == ("att-1",) and profile.grouping_sources == ()  # no grouped plan timed
+    table, _ = compile_table(profile)
+    assert "grouping_sources" not in table.provenance
+    assert table.sources_mismatch("att-1", "grp-2") is None
+
+    def write(name: str, recs: list[dict]) -> Path:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return path
+
+    # The same key profiled again, one of its plans in the grouped layout, by another grouping kernel.
+    grouped, renamed = [], {}
+    for r in natural:
+        r = json.loads(json.dumps(r))
+        if r["type"] == "catalog":
+            r["grouping_sources"] = "grp-2"
+        if r["type"] == "plan" and "spec" in r and not renamed:
+            renamed[r["plan"]] = "grouped-" + r["plan"]
+            r["spec"]["q_layout"] = "grouped"
+        if r["type"] == "plan" and r["plan"] in renamed:
+            r["plan"] = renamed[r["plan"]]
+        grouped.append(r)
+    profile = load_profile([tmp_path / RECORDS_FILE, write("grouped.jsonl", grouped)])
+    assert profile.kernel_sources == ("att-1",) and profile.grouping_sources == ("grp-2",)
+    table, _ = compile_table(profile)
+    assert table.provenance["grouping_sources"] == ["grp-2"]
+    assert table.sources_mismatch("att-1", "grp-2") is None
+    note = table.sources_mismatch("att-1", "grp-3")
+    assert "grouping kernel" in note and "grp-2" in note and "re-profile" in note
+    assert "grouping kernel" not in table.sources_mismatch("att-2", "grp-2")
+
+    # A record of a library built before the split names the whole tree; it reads as both parts.
+    whole, (attention, grouping) = next(iter(SPLIT_SOURCES.items()))
+    assert catalog_sources({"kernel_sources": whole}) == (attention, grouping)
+    assert catalog_sources({"kernel_sources": whole, "grouping_sources": "grp-9"}) == (whole, "grp-9")
+    assert catalog_sources({"kernel_sources": "att-1"}) == ("att-1", None)
+    legacy = [{**r, "kernel_sources": whole} if r["type"] == "catalog" else r for r in grouped]
+    for r in legacy:
+        r.pop("grouping_sources", None)
+    profile = load_profile([write("legacy.jsonl", legacy)])
+    assert (profile.kernel_sources, profile.grouping_sources) == ((attention,), (grouping,))
 
 
 def test_a_later_records_file_supersedes_a_key_whole(tmp_path):

@@ -156,7 +156,8 @@ def test_table_profiled_on_other_kernel_sources_warns_once_and_is_still_used(tab
         provenance["kernel_sources"] = profiled
     stamped = dataclasses.replace(table, provenance=MappingProxyType(provenance))
     monkeypatch.setattr(selector_module, "library_kernels", portable_kernels)  # as if loaded from a library
-    monkeypatch.setattr(selector_module, "library_kernel_sources", lambda cuda=True: library)
+    monkeypatch.setattr(selector_module, "library_kernel_sources",
+                        lambda cuda=True, part="kernel_sources": library if part == "kernel_sources" else None)
     messages: list[str] = []
     selector = Selector(table=stamped)
     for seed in range(3):

@@ -72,7 +72,7 @@ from ..plan_table import (
     plan_from_dict,
     tile_group,
 )
-from ..plans import REUSED_KEY_SUFFIX, KernelSpec, PhysicalPlan, Request
+from ..plans import REUSED_KEY_SUFFIX, KernelSpec, PhysicalPlan, QLayout, Request
 from ..validation import check_positive_int
 from .records import read_records, request_from_dict, timing_method
 
@@ -105,6 +105,23 @@ class Profile:
     plans: Mapping[str, PhysicalPlan]
     notes: tuple[str, ...] = ()
     kernel_sources: tuple[str, ...] = ()  # the profiled libraries' source hashes (older records: none)
+    grouping_sources: tuple[str, ...] = ()  # their grouping kernels', of the files whose cases timed grouped plans
+
+
+# ``kernel_sources`` of libraries built before the grouping kernel's sources were hashed apart
+# (``csrc/build_native.py``: then one hash of the whole tree), and the two hashes that the same
+# tree has now: (attention kernels, grouping kernel). Computed from the sources of commit 9ec3741,
+# whose library the records of every key of the shipped table were profiled on.
+SPLIT_SOURCES = {"e810b188edbadf21": ("1465ac442fbd5b67", "749cc3ca2a45a77a")}
+
+
+def catalog_sources(record: Mapping) -> tuple[str | None, str | None]:
+    """The (attention kernels, grouping kernel) source hashes of a catalog record: an older
+    record's whole-tree hash through ``SPLIT_SOURCES``; None where the record has none."""
+    whole = record.get("kernel_sources")
+    if record.get("grouping_sources") is None and whole in SPLIT_SOURCES:
+        return SPLIT_SOURCES[whole]
+    return (str(whole) if whole else None, record.get("grouping_sources") or None)
 
 
 @dataclass(frozen=True)
@@ -205,8 +222,9 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
     skipped: list = []
     held_out = 0
     catalogs: dict[str, tuple[KernelSpec, ...]] = {}
-    # kernel_sources hashes per (file, catalog hash): only files that keep a case count
+    # kernel_sources / grouping_sources hashes per (file, catalog hash): only files that keep a case count
     sources: dict[tuple[int, str], set[str]] = defaultdict(set)
+    grouping: dict[tuple[int, str], set[str]] = defaultdict(set)
     case_records: dict[tuple[int, str], dict] = {}
     latencies: dict[tuple[int, str], dict[str, float]] = defaultdict(dict)
     case_methods: dict[tuple[int, str], Counter] = defaultdict(Counter)  # timing methods of a case's plans
@@ -216,8 +234,11 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
             kind = record.get("type")
             if kind == "catalog":
                 catalogs[record["catalog_hash"]] = tuple(kernel_from_dict(k) for k in record["kernels"])
-                if record.get("kernel_sources"):
-                    sources[index, record["catalog_hash"]].add(str(record["kernel_sources"]))
+                attention, grouping_kernel = catalog_sources(record)
+                if attention:
+                    sources[index, record["catalog_hash"]].add(attention)
+                if grouping_kernel:
+                    grouping[index, record["catalog_hash"]].add(grouping_kernel)
             elif kind == "case":
                 if record.get("split", "profiling") != "profiling":
                     held_out += 1  # evaluation-split cases judge tables; they never train one
@@ -252,6 +273,8 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
         raise PlanTableError(f"records lack the catalog record of hash {chosen_hash}")
     cases = []
     profiled_sources: set[str] = set()  # of the files whose cases are kept
+    grouped_files: set[int] = set()  # of those, the files whose kept cases timed a grouped plan
+    grouped_plans = {name for name, spec in specs.items() if spec.get("q_layout") == QLayout.GROUPED.value}
     for at, record in mine.items():
         if record["catalog_hash"] != chosen_hash:
             continue
@@ -265,6 +288,8 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
                                   tuple(float(stats[s]) for s in STAT_NAMES), str(record["group"]),
                                   MappingProxyType(dict(latencies.get(at, {}))), MappingProxyType(unions)))
         profiled_sources |= sources.get((at[0], chosen_hash), set())
+        if grouped_plans.intersection(latencies.get(at, ())):
+            grouped_files.add(at[0])
     if skipped:
         notes.append(f"skipped {len(skipped)} unreadable record line(s)")
     if len(methods) > 1:
@@ -280,8 +305,9 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
     if len(profiled_sources) > 1:
         notes.append(f"the records were profiled on kernels built from {len(profiled_sources)} different "
                      f"sources ({', '.join(sorted(profiled_sources))}): their times may not compare")
+    grouping_sources = set().union(*(grouping.get((index, chosen_hash), set()) for index in grouped_files))
     return Profile(arch, chosen_hash, catalogs[chosen_hash], tuple(cases), MappingProxyType(plans), tuple(notes),
-                   tuple(sorted(profiled_sources)))
+                   tuple(sorted(profiled_sources)), tuple(sorted(grouping_sources)))
 
 
 def latest_profile_per_key(case_records: Mapping[tuple[int, str], dict],
@@ -357,6 +383,7 @@ def compile_table(profile: Profile, options: CompileOptions = CompileOptions(),
         "max_depth": options.max_depth,
         "folds": options.folds,
         **({"kernel_sources": list(profile.kernel_sources)} if profile.kernel_sources else {}),
+        **({"grouping_sources": list(profile.grouping_sources)} if profile.grouping_sources else {}),
         **(provenance or {}),
     }
     table = PlanTable(profile.arch, profile.catalog_hash, profile.kernels, schema,

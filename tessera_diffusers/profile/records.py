@@ -12,7 +12,8 @@ a killed machine) keeps everything it measured, and the next run skips what is d
      "row_unions": {"2" | "4" | "8": <MaskState.row_union_ratios of that many block rows>},
      "arch": ..., "catalog_hash": ..., "plans": <eligible plan count>, "rejected": {<plan>: <reason>},
      "pruned": <plans not timed: not contenders, see ProfileConfig.contenders_after>, "device": ..., "torch": ...}
-    {"type": "catalog", "catalog_hash": ..., "kernels": [<KernelSpec dict>]}    (once per run)
+    {"type": "catalog", "catalog_hash": ..., "kernels": [<KernelSpec dict>],    (once per run)
+     "kernel_sources": <the library's attention-kernel source hash>, "grouping_sources": <its grouping kernel's>}
 
 A case record is written only after every plan of the case has a record: the table compiler uses
 complete cases only.

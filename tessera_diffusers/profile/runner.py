@@ -354,7 +354,9 @@ def run_profile(config: ProfileConfig, *, measure: Measure | None = None,
         log(f"{path} holds {'/'.join(sorted(progress.methods - {method}))} timings and this run times {method}: "
             "their times are not comparable, profile into a new --out (or pass --fresh, or match the method)")
     kernels = profiling_kernels(device)
-    catalog = {"catalog_hash": catalog_hash(kernels), "kernel_sources": library_kernel_sources(device.type == "cuda")}
+    cuda = device.type == "cuda"
+    catalog = {"catalog_hash": catalog_hash(kernels), "kernel_sources": library_kernel_sources(cuda),
+               "grouping_sources": library_kernel_sources(cuda, "grouping_sources")}
     others = progress.catalogs - {catalog["catalog_hash"]}
     if others:
         log(f"{path} holds measurements of other kernel catalogs {sorted(others)}: plans measured then count as "
