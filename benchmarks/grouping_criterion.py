@@ -1,10 +1,11 @@
 """What the grouping's pick criterion schedules, on corpus masks (CPU only; N = 32,768, H = 24).
 
 The grouped query layout (``tessera_diffusers/regroup.py``) takes, for each group, a seed and then
-the window's candidate whose pick count is lowest. The kernel counts the key blocks a candidate
-would add to the group's union (``lack_weight`` 0). ``lack_weight`` w also counts, w times, the
-union's blocks the candidate lacks; w = 1 is the size of the symmetric difference, which prefers a
-row like the seed's to a row that merely has few blocks.
+the window's candidate whose pick count is lowest: the key blocks a candidate would add to the
+group's union plus, ``lack_weight`` w times, the union's blocks the candidate lacks. w = 0 counts
+the added blocks only (the kernel's pick until 2026-12-02); w = 1, the kernel's now
+(``regroup.LACK_WEIGHT``), is the size of the symmetric difference, which prefers a row like the
+seed's to a row that merely has few blocks.
 
 Per case and w, the grouped-packed tiles of ``g`` query blocks x ``k`` key blocks the layout
 schedules (each group's union of key blocks, packed ``k`` to a tile) over the active work in the
@@ -28,7 +29,7 @@ from tessera_diffusers.mask_state import group_activity
 from tessera_diffusers.regroup import group_query_blocks_torch, natural_units, num_slots, permuted_blocks
 
 TILES = (64, 128)  # query and key rows of the grouped plans' square tiles
-WEIGHTS = (0, 1, 2)  # lack weights compared (0: the kernel's)
+WEIGHTS = (0, 1, 2)  # lack weights compared (1: the kernel's, regroup.LACK_WEIGHT)
 
 
 def scheduled_tiles(blocks: torch.Tensor, q_units: torch.Tensor, group: int, per_tile: int) -> int:

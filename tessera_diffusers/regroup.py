@@ -24,8 +24,8 @@ which the kernel runs side by side.
             n = min(g, hi - written)
             for k in 1 .. n - 1:
                 candidates = free c with seed < c <= seed + W and c < hi
-                if any: pick = the candidate with the fewest key blocks outside union
-                               (popcount(row[c] & ~union)); ties: the lowest c
+                if any: pick = the candidate whose key set differs least from union
+                               (popcount(row[c] ^ union)); ties: the lowest c
                 else:   pick = the first free c > seed       (one exists: written + k < hi)
                 take pick: q_units[written + k] = pick; union |= row[pick]
             greedy += popcount(union); written += n
@@ -35,9 +35,11 @@ which the kernel runs side by side.
                                                      sums every segment's groups)
     key_blocks = (natural, greedy)
 
-The torch code also takes ``lack_weight`` w (``LACK_WEIGHT``, 0, is the kernel's): the pick's count
-becomes popcount(row[c] & ~union) + w * popcount(union & ~row[c]), so w = 1 picks the candidate
-whose key set differs least from the union (popcount(row[c] ^ union)). A study of the choice,
+The pick weighs both sides of the difference: the blocks a candidate would add to the union and
+the union's blocks it lacks. Counting only the first favoured rows with few key blocks over rows
+like the seed's, which then had to join worse groups. The torch code takes ``lack_weight`` w
+(``LACK_WEIGHT``, 1, is the kernel's): the pick's count is popcount(row[c] & ~union) + w *
+popcount(union & ~row[c]); w = 0 counts only the added blocks. A study of the choice,
 ``benchmarks/grouping_criterion.py``, compares them (``benchmarks/results/grouping_criterion_cpu.md``).
 
 Segments cost little, since a group takes rows near its seed: ``DEFAULT_SEGMENT`` is the smallest
@@ -75,7 +77,7 @@ from .native_prepare import (
 
 DEFAULT_WINDOW = 64  # query blocks after a group's seed it may take
 DEFAULT_SEGMENT = 128  # query blocks per segment (module docstring)
-LACK_WEIGHT = 0  # the pick counts the blocks a candidate adds to the union only, as the kernel does
+LACK_WEIGHT = 1  # the pick counts the blocks in which a candidate and the union differ, as the kernel does
 # On the CPU the torch code groups its runs (segments) in batches whose candidate rows take at most
 # this many bytes: larger temporaries ran several times slower (24 heads of Q16K16 at N = 32k in
 # 192 segments of 256 rows, 2 cores: 17-22 s in one batch of 25 MB, 1.5-3 s in batches of 2-3 MB).

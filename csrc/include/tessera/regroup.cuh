@@ -12,13 +12,14 @@
 // the latency of one pick; the segments of all heads run side by side. The CTA's warps have three
 // roles (rows below are the segment's, numbered from its first):
 //
-//   picker warp     runs the greedy, with no block barrier. Each lane keeps the counts of key
-//                   blocks outside the group's union of its candidates (j = lane + 32m) in registers.
-//                   The seed starts them at the rows' popcounts and lists the words of its row; a
-//                   pick is a warp argmin of the keys count << kSlotBits | j (the unsigned minimum:
-//                   ties to the lowest candidate), then its row ORed into the union, listing the
-//                   words where it adds key blocks. Each list lowers every count by
-//                   popcount(row[c] & added) over the listed words.
+//   picker warp     runs the greedy, with no block barrier. Each lane keeps, in registers, the
+//                   count of key blocks in which each of its candidates (j = lane + 32m) and the
+//                   group's union differ (popcount(row[c] ^ union)). They start at the rows'
+//                   popcounts (an empty union), and the seed lists the words of its row; a pick is
+//                   a warp argmin of the keys count << kSlotBits | j (the unsigned minimum: ties to
+//                   the lowest candidate), then its row ORed into the union, listing the words
+//                   where it adds key blocks. Each list moves every count by the blocks it adds
+//                   (a warp sum) less twice popcount(row[c] & added) over the listed words.
 //   helper warps    OR the rows the picker has seen published since the last group into the natural
 //                   groups' unions (the natural order's sum), posted by the picker each group through
 //                   a named barrier it only arrives at, and waited for at the next group.
@@ -37,9 +38,10 @@
 // handshake: stream order makes the segments' stores visible to it, with no counters to reset and
 // no fences, and it costs one launch of ~nQ stores per head.
 //
-// Cost per pick, on the picker: a warp reduction, a pass over the union's words, and (listed words)
-// x W / 32 shared reads per lane (the seed lists all the nonzero words of its row). Measured on an
-// H200 with one segment per head: ~0.8 us per query block at W = 64 and nKV = 2048, ~1.2 us at
+// Cost per pick, on the picker: two warp reductions (the argmin, the count of added key blocks), a
+// pass over the union's words, and (listed words) x W / 32 shared reads per lane (the seed lists
+// all the nonzero words of its row). Measured on an H200 with one segment per head (counting only
+// the added blocks then, one reduction): ~0.8 us per query block at W = 64 and nKV = 2048, ~1.2 us at
 // nKV = 4725, about twice that at W = 256, so a head cost about nQ times that. With segments a mask
 // should cost about S times that while all its segments fit on the device at once (not yet
 // measured). More warps per segment did not help (the picker's chain of shared-memory round trips
@@ -430,13 +432,18 @@ __device__ __forceinline__ uint32_t add_row(const Layout& l, const Shared& s, in
   return added_count;
 }
 
-// Lowers the counts of the candidates by the key blocks the listed words add. The reads of kSteps
-// entries are in flight together, for every candidate (a closed one reads a row of the ring and
-// ignores it: no branch between the loads).
+// Moves each candidate's count of key blocks that differ from the union, popcount(row[c] ^ union),
+// to that of the union grown by the listed words, which add `added` key blocks: the blocks of
+// row[c] among them no longer differ, the others now do. `added` first, so that no count passes
+// below zero on the way. The reads of kSteps entries are in flight together, for every candidate
+// (a closed one reads a row of the ring and ignores it: no branch between the loads).
 template <int kPerLane>
-__device__ __forceinline__ void lower_counts(const Shared& s, int listed, const int (&base)[kPerLane],
-                                             uint32_t (&count)[kPerLane]) {
+__device__ __forceinline__ void update_counts(const Shared& s, int listed, uint32_t added, const int (&base)[kPerLane],
+                                              uint32_t (&count)[kPerLane]) {
   constexpr int kSteps = kListSteps<kPerLane>;
+#pragma unroll
+  for (int m = 0; m < kPerLane; ++m)
+    if (count[m] != kNoCount) count[m] += added;
   int i = 0;
   for (; i + kSteps <= listed; i += kSteps) {
     uint2 e[kSteps];
@@ -447,7 +454,7 @@ __device__ __forceinline__ void lower_counts(const Shared& s, int listed, const 
       uint32_t n = 0;
 #pragma unroll
       for (int u = 0; u < kSteps; ++u) n += __popc(s.ring[base[m] + int(e[u].x)] & e[u].y);
-      if (count[m] != kNoCount) count[m] -= n;
+      if (count[m] != kNoCount) count[m] -= 2 * n;
     }
   }
   for (; i < listed; ++i) {
@@ -455,7 +462,7 @@ __device__ __forceinline__ void lower_counts(const Shared& s, int listed, const 
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) {
       const uint32_t n = __popc(s.ring[base[m] + int(e.x)] & e.y);
-      if (count[m] != kNoCount) count[m] -= n;
+      if (count[m] != kNoCount) count[m] -= 2 * n;
     }
   }
 }
@@ -494,7 +501,7 @@ __device__ void pick(const Layout& l, const Shared& s, const Segment& seg, int32
   Jobs jobs;
   int natural_rows = 0;  // rows below it are handed to the natural unions
   unsigned long long greedy = 0;
-  uint32_t count[kPerLane];  // key blocks of candidate j outside the union, or kNoCount
+  uint32_t count[kPerLane];  // key blocks in which candidate j and the union differ, or kNoCount
   int base[kPerLane];        // candidate j's ring row, in words from the ring's start
   int seed = 0;
   for (int written = 0; written < rows; written += l.group) {
@@ -514,9 +521,11 @@ __device__ void pick(const Layout& l, const Shared& s, const Segment& seg, int32
       count[m] = open ? uint32_t(s.row_count[slot]) : kNoCount;
     }
     int listed;
-    greedy += add_row(l, s, seed_slot, true, &listed, lane);
+    uint32_t added = add_row(l, s, seed_slot, true, &listed, lane);  // this lane's words
+    greedy += added;
     for (int k = 1; k < n; ++k) {
-      lower_counts<kPerLane>(s, listed, base, count);  // by what the seed or the last pick added
+      // By what the seed or the last pick added (the whole warp's count of it).
+      update_counts<kPerLane>(s, listed, __reduce_add_sync(kFullWarp, added), base, count);
       uint32_t best = kNoKey;
 #pragma unroll
       for (int m = 0; m < kPerLane; ++m)
@@ -536,7 +545,8 @@ __device__ void pick(const Layout& l, const Shared& s, const Segment& seg, int32
         slot = next % l.ring;
       }
       take(s, order, seg.begin, next, slot, written + k, lane);
-      greedy += add_row(l, s, slot, false, &listed, lane);
+      added = add_row(l, s, slot, false, &listed, lane);
+      greedy += added;
     }
   }
   while (natural_rows < rows) {  // the rest of the natural unions, as far as the ring allows each time
