@@ -143,23 +143,25 @@ def cutlass_include() -> str | None:
     return path if os.path.isdir(os.path.join(path, "cute")) else None
 
 
-def compile_one(nvcc: str, source: str, obj: str, flags: list[str]) -> tuple[str, float, str]:
-    """Compile ``source`` into ``obj`` (and its dependency list ``obj.d``), then stamp the command
-    (``obj.cmd``) that made it; ``(source, seconds, stderr)``."""
+def compile_one(nvcc: str, source: str, obj: str, flags: list[str], stamp: str = "") -> tuple[str, float, str]:
+    """Compile ``source`` into ``obj`` (and its dependency list ``obj.d``), then write ``stamp``
+    (``command_stamp``: what made it) to ``obj.cmd``; ``(source, seconds, stderr)``."""
     start = time.time()
     cmd = [nvcc, "-c", source, "-o", obj, "-MD", "-MF", obj + ".d"] + flags
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {os.path.basename(source)}:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
     with open(obj + ".cmd", "w") as f:
-        f.write(command_stamp(nvcc, source, flags))
+        f.write(stamp)
     with open(obj + ".log", "w") as f:  # ptxas -v of this object, for ptxas.log when it is reused
         f.write(proc.stderr)
     return source, time.time() - start, proc.stderr
 
 
-def command_stamp(nvcc: str, source: str, flags: list[str]) -> str:
-    return "\0".join([nvcc, source] + flags)
+def command_stamp(nvcc: str, nvcc_version: str, source: str, flags: list[str]) -> str:
+    """What an object is made by: the compiler (path and version: an update in place counts) and
+    the command line."""
+    return "\0".join([nvcc, nvcc_version, source] + flags)
 
 
 def depfile_paths(text: str) -> list[str]:
@@ -169,13 +171,14 @@ def depfile_paths(text: str) -> list[str]:
     return prerequisites.split()
 
 
-def object_is_current(nvcc: str, source: str, obj: str, flags: list[str]) -> bool:
-    """Whether ``obj`` was made by this nvcc command from files none of which changed since: its
-    command stamp matches and no file of its dependency list is newer than it (or gone)."""
+def object_is_current(stamp: str, obj: str) -> bool:
+    """Whether ``obj`` was made by the command of ``stamp`` (``command_stamp``) from files none of
+    which changed since: its stamp matches and no file of its dependency list is newer than it (or
+    gone)."""
     try:
         built = os.path.getmtime(obj)
         with open(obj + ".cmd") as f:
-            if f.read() != command_stamp(nvcc, source, flags):
+            if f.read() != stamp:
                 return False
         with open(obj + ".d") as f:
             deps = depfile_paths(f.read())
@@ -247,20 +250,22 @@ def build_native_library(
     sources.append((os.path.join(HERE, "kernels", "library.cu"), portable_flags))
 
     jobs = jobs or int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+    nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     objects, ptxas_logs, stale = [], {}, []
     for src, flags in sources:
         obj = os.path.join(build_dir, os.path.basename(src).replace(".cu", ".o"))
         objects.append(obj)
-        if not rebuild and object_is_current(nvcc, src, obj, flags):
+        stamp = command_stamp(nvcc, nvcc_version, src, flags)
+        if not rebuild and object_is_current(stamp, obj):
             with open(obj + ".log") as f:
                 ptxas_logs[src] = f"== {os.path.basename(src)} (reused)\n{f.read()}"
         else:
-            stale.append((src, obj, flags))
+            stale.append((src, obj, flags, stamp))
     reused = len(sources) - len(stale)
     log(f"tessera: compiling {len(stale)} of {len(sources)} translation units ({len(rows)} kernels) for sm {archs} "
         f"with {jobs} jobs" + (f"; {reused} are current" if reused else ""), 2)
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(compile_one, nvcc, src, obj, flags): src for src, obj, flags in stale}
+        futures = {pool.submit(compile_one, nvcc, src, obj, flags, stamp): src for src, obj, flags, stamp in stale}
         for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
             src, seconds, stderr = fut.result()
             ptxas_logs[src] = f"== {os.path.basename(src)} ({seconds:.0f}s)\n{stderr}"
@@ -273,7 +278,6 @@ def build_native_library(
         raise RuntimeError(f"link failed:\n{' '.join(link)}\n{proc.stderr[-4000:]}")
     with open(os.path.join(build_dir, "ptxas.log"), "w") as f:
         f.write("\n".join(ptxas_logs[src] for src, _ in sources))
-    nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     manifest = {
         "abi_version": abi_version(),
         "archs": archs,

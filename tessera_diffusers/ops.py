@@ -147,10 +147,15 @@ def available_kernels() -> tuple[KernelSpec, ...]:
     return tuple(kernel_spec_from_row(rows[name]) for name in lib.kernel_ids)
 
 
+SOURCE_HASHES = ("kernel_sources", "grouping_sources")  # the manifest's source hashes
+
+
 def kernel_sources(part: str = "kernel_sources") -> str | None:
     """A source hash of the loaded library's manifest (``csrc/build_native.py``): ``kernel_sources``
     (the attention kernels and what the natural plans run) or ``grouping_sources`` (the grouping
     kernel), or None when no library loads or its manifest predates that hash."""
+    if part not in SOURCE_HASHES:
+        raise InvalidArgumentError("part", f"one of {SOURCE_HASHES}", repr(part))
     try:
         return load_library().manifest.get(part)
     except CatalogError:

@@ -172,21 +172,23 @@ def test_an_object_is_reused_only_while_its_command_and_inputs_are_unchanged(tmp
         path.write_text("x")
     assert build.depfile_paths(f"{obj} : {src} \\\n    {header}\n") == [str(src), str(header)]
     flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
-    assert not build.object_is_current("nvcc", str(src), str(obj), flags)  # never stamped
+    stamp = build.command_stamp("nvcc", "V13.0", str(src), flags)
+    assert not build.object_is_current(stamp, str(obj))  # never stamped
     (tmp_path / "k.o.d").write_text(f"{obj} : {src} \\\n    {header}\n")
-    (tmp_path / "k.o.cmd").write_text(build.command_stamp("nvcc", str(src), flags))
+    (tmp_path / "k.o.cmd").write_text(stamp)
     (tmp_path / "k.o.log").write_text("ptxas info")
     old, new = 1_000_000_000, 1_000_000_100
     for path in (src, header):
         os.utime(path, (old, old))
     os.utime(obj, (new, new))
-    assert build.object_is_current("nvcc", str(src), str(obj), flags)
-    assert not build.object_is_current("nvcc", str(src), str(obj), flags + ["-DSTUDY"])  # other flags
+    assert build.object_is_current(stamp, str(obj))
+    assert not build.object_is_current(build.command_stamp("nvcc", "V13.0", str(src), flags + ["-DSTUDY"]), str(obj))
+    assert not build.object_is_current(build.command_stamp("nvcc", "V13.1", str(src), flags), str(obj))  # nvcc updated
     os.utime(header, (new + 1, new + 1))
-    assert not build.object_is_current("nvcc", str(src), str(obj), flags)  # an included file changed
+    assert not build.object_is_current(stamp, str(obj))  # an included file changed
     os.utime(header, (old, old))
     header.unlink()
-    assert not build.object_is_current("nvcc", str(src), str(obj), flags)  # an included file is gone
+    assert not build.object_is_current(stamp, str(obj))  # an included file is gone
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -215,3 +217,14 @@ def test_native_smoke_subset_compiles_and_links(tmp_path):
         assert len(hopper_entries) >= 2
         for entry in hopper_entries:
             assert "0 bytes spill stores, 0 bytes spill loads" in entry, entry[:600]
+
+
+def test_a_library_source_hash_is_asked_for_by_its_manifest_name():
+    from tessera_diffusers import ops
+    from tessera_diffusers.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="part"):
+        ops.kernel_sources("attention_sources")
+    for part in ops.SOURCE_HASHES:
+        value = ops.kernel_sources(part)  # None without a library or in an older manifest
+        assert value is None or len(value) == 16
