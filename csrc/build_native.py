@@ -322,11 +322,7 @@ def kernel_sources_hash(
                     digest.update(f.read() + b"\0")
     for name, text in sorted(generated.items()):
         digest.update(f"{name}\0{text}\0".encode())
-    for flags in flag_sets:
-        digest.update(" ".join(f for f in flags if not f.startswith("-I")).encode() + b"\0")
-    for tool in tools:
-        digest.update(f"{tool}\0".encode())
-    return digest.hexdigest()[:16]
+    return build_digest(digest, flag_sets, tools)
 
 
 def grouping_sources_hash(flag_sets: list[list[str]], tools: list[str], root: str = HERE) -> str:
@@ -337,6 +333,12 @@ def grouping_sources_hash(flag_sets: list[list[str]], tools: list[str], root: st
         digest.update(relative.encode() + b"\0")
         with open(os.path.join(root, relative), "rb") as f:
             digest.update(f.read() + b"\0")
+    return build_digest(digest, flag_sets, tools)
+
+
+def build_digest(digest, flag_sets: list[list[str]], tools: list[str]) -> str:
+    """``digest`` (a sha256 of the sources) with the nvcc flags (include paths left out: they name
+    this machine) and the tool versions, as the 16 hex digits of a source hash."""
     for flags in flag_sets:
         digest.update(" ".join(f for f in flags if not f.startswith("-I")).encode() + b"\0")
     for tool in tools:
