@@ -41,6 +41,7 @@ DEFAULT_ARCHS = "80;90"
 GROUPING_SOURCES = (
     "include/tessera/regroup.cuh", "include/tessera/prepare.cuh", "include/tessera/params.h", "kernels/library.cu")
 GROUPING_ONLY = ("include/tessera/regroup.cuh",)  # left out of the attention kernels' hash
+HOPPER_GENCODE = ["-gencode=arch=compute_90a,code=sm_90a"]  # wgmma and setmaxnreg exist only in sm_90a
 
 
 def load_kernel_table():
@@ -63,15 +64,32 @@ def find_nvcc() -> str | None:
     return None
 
 
+def arch_names(archs: str) -> list[str]:
+    """``"80;90"`` or ``"80,90"`` -> ``["80", "90"]``."""
+    return [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
+
+
 def gencode_flags(archs: str) -> list[str]:
     """``"80;90"`` -> SASS for each arch plus PTX of the newest, so later GPUs can JIT it."""
-    flags, names = [], [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
+    flags, names = [], arch_names(archs)
     for a in names:
         flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
     if names:
         newest = names[-1].rstrip("a")
         flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
     return flags
+
+
+def hashed_archs(archs: str) -> str:
+    """The arch list the source hashes name: the default one for a build of some of its archs, the
+    build's own otherwise. Such a build compiles each of its targets as the default build does
+    (nvcc compiles every target on its own), so on a GPU it has kernels for they are the same
+    machine code, and a plan table profiled on the default build fits them: narrowing the build
+    (``TESSERA_CUDA_ARCHS=90``) must not call the table stale. A GPU the narrowed build has no
+    kernels for cannot use the table anyway: its Hopper kernels are missing (the catalog check) or
+    nothing loads."""
+    names = arch_names(archs)
+    return DEFAULT_ARCHS if names and set(names) <= set(arch_names(DEFAULT_ARCHS)) else archs
 
 
 PORTABLE_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
@@ -211,7 +229,7 @@ def build_native_library(
         return None
     table = load_kernel_table()
     rows = [r for r in table.all_rows() if only is None or re.search(only, r.name)]
-    arch_list = [a.strip().rstrip("a") for a in archs.replace(",", ";").split(";") if a.strip()]
+    arch_list = [a.rstrip("a") for a in arch_names(archs)]
     cutlass = cutlass_include()
     if "90" not in arch_list or cutlass is None:
         why = "no sm90 target" if "90" not in arch_list else "CuTe headers not found (pip install nvidia-cutlass)"
@@ -238,8 +256,7 @@ def build_native_library(
         "-Xptxas=-v",
     ] + ([f"-I{cutlass}"] if cutlass else []) + os.environ.get("TESSERA_NVCC_FLAGS", "").split()
     portable_flags = common + gencode_flags(archs)
-    # wgmma and setmaxnreg exist only in the arch-specific sm_90a target.
-    hopper_flags = common + ["-gencode=arch=compute_90a,code=sm_90a"]
+    hopper_flags = common + HOPPER_GENCODE
 
     sources = []
     for r in rows:
@@ -283,20 +300,30 @@ def build_native_library(
         "archs": archs,
         "kernels": [r.name for r in rows],
         "kernel_table_hash": hashlib.sha256("\n".join(r.name for r in rows).encode()).hexdigest()[:16],
-        "kernel_sources": kernel_sources_hash(
-            [os.path.join(HERE, "include"), os.path.join(HERE, "kernels")],
-            {r.name: instantiation_source(r) for r in rows},
-            [portable_flags, hopper_flags],
-            [nvcc_version, cutlass_version()],
-            exclude=GROUPING_ONLY,
-        ),
-        "grouping_sources": grouping_sources_hash([portable_flags], [nvcc_version]),
+        **source_hashes(rows, archs, common, nvcc_version),
         "nvcc": nvcc_version,
     }
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     log(f"tessera: built {lib}", 2)
     return lib
+
+
+def source_hashes(rows, archs: str, common: list[str], nvcc_version: str) -> dict[str, str]:
+    """The manifest's two source hashes of a build of kernel ``rows`` for ``archs`` with the
+    ``common`` nvcc flags: ``kernel_sources`` (the attention kernels) and ``grouping_sources``. The
+    arch list enters as ``hashed_archs`` names it."""
+    portable = common + gencode_flags(hashed_archs(archs))
+    return {
+        "kernel_sources": kernel_sources_hash(
+            [os.path.join(HERE, "include"), os.path.join(HERE, "kernels")],
+            {r.name: instantiation_source(r) for r in rows},
+            [portable, common + HOPPER_GENCODE],
+            [nvcc_version, cutlass_version()],
+            exclude=GROUPING_ONLY,
+        ),
+        "grouping_sources": grouping_sources_hash([portable], [nvcc_version]),
+    }
 
 
 def kernel_sources_hash(

@@ -328,10 +328,12 @@ class PlanTable:
         if not notes:
             return None
         # The hashes cover the kernel sources, nvcc flags and tool versions: a library built from
-        # the same sources with another nvcc or arch list differs too, and its kernels may time
-        # differently; say so rather than suggest the kernels were edited.
-        advice = ("the kernel sources, nvcc flags (TESSERA_CUDA_ARCHS, TESSERA_NVCC_FLAGS) or nvcc / CUTLASS "
-                  "versions differ; the table is still used, re-profile with `tessera profile` to fit it to this library")
+        # the same sources with another nvcc, other flags or an arch list beyond the default one
+        # differs too, and its kernels may time differently; say so rather than suggest the kernels
+        # were edited. (A build of some of the default archs hashes as the default build.)
+        advice = ("the kernel sources, nvcc flags (TESSERA_NVCC_FLAGS, a TESSERA_CUDA_ARCHS beyond 80;90) or "
+                  "nvcc / CUTLASS versions differ; the table is still used, re-profile with `tessera profile` to fit "
+                  "it to this library")
         return f"{'; '.join(notes)} ({advice})"
 
     def _sources_note(self, field: str, library: str | None, what: str) -> str | None:

@@ -163,6 +163,25 @@ def test_grouping_kernel_sources_are_hashed_apart_from_the_attention_kernels(tmp
     assert hashes()[1] == shared[1]
 
 
+def test_a_build_of_some_default_archs_hashes_as_the_default_build():
+    """Narrowing the build (TESSERA_CUDA_ARCHS=90) compiles each kept target as the default build
+    does, so its source hashes, which a plan table's profile is checked against, are the default
+    build's; another arch list, or other flags, is another build."""
+    build = build_native_module()
+    rows = build.load_kernel_table().all_rows()
+
+    def hashes(archs, common=("-O3",)):
+        return build.source_hashes(rows, archs, list(common), "V13.0")
+
+    default = hashes(build.DEFAULT_ARCHS)
+    assert hashes("90") == default and hashes("80") == default and hashes("90,80") == default
+    for other in ("86;90", "90a"):
+        assert hashes(other)["kernel_sources"] != default["kernel_sources"]
+        assert hashes(other)["grouping_sources"] != default["grouping_sources"]
+    assert hashes("90", ("-O3", "-DTESSERA_HOPPER_TAKE_AHEAD=0")) != default
+    assert hashes("90")["kernel_sources"] != build.source_hashes(rows[:-1], "90", ["-O3"], "V13.0")["kernel_sources"]
+
+
 def test_an_object_is_reused_only_while_its_command_and_inputs_are_unchanged(tmp_path):
     """The incremental build's check: nvcc's dependency list (line continuations included), the
     command stamp, and no input newer than the object."""
