@@ -1,8 +1,10 @@
 """Build: the pure-Python package always; the native CUDA catalog when nvcc is available.
 
 Environment:
-    TESSERA_CUDA_ARCHS   architectures to build, e.g. "80;90a" (default), or "none" to skip the
-                         native library (CPU-only install: the reference path still works)
+    TESSERA_CUDA_ARCHS   architectures of the portable kernels, "80;90" by default (the Hopper
+                         kernels build for sm_90a whenever 90 is listed); "90" alone for an H100 /
+                         H200 only; "none" to skip the native library (CPU-only install: the
+                         reference path still works)
     MAX_JOBS             parallel nvcc processes (default: CPU count)
 """
 
