@@ -1,15 +1,16 @@
 """Sparsifiers: ``(q, k, layer, step, latent grid) -> LogicalMask`` for video self-attention.
 
 SSTASparsifier / ssta_384 / ssta_64   HunyuanVideo-1.5's tile window OR top-k scheme
-AdaptiveSparsifier                    SPADE-style: geometry and per-head density from pooled scores
+ssta_tuned                            the same at a block-density budget (top-k chosen per grid)
+AdaptiveSparsifier / spade_64         SPADE-style: geometry and per-head density from pooled scores
 StaticSparsifier / all_active         a fixed or per-grid user mask
 DenseWarmup                           full attention for the first steps / layers
 """
 
-from .adaptive import AdaptiveDecision, AdaptiveSparsifier
+from .adaptive import AdaptiveDecision, AdaptiveSparsifier, spade_64
 from .base import LatentGrid, Sparsifier
 from .layout import TileLayout, tile_layout
-from .ssta import SSTASparsifier, ssta_64, ssta_384, top_k_for_block_density, top_k_for_density
+from .ssta import SSTASparsifier, ssta_64, ssta_384, ssta_tuned, top_k_for_block_density, top_k_for_density
 from .static import StaticSparsifier, all_active
 from .warmup import DenseWarmup
 
@@ -25,6 +26,8 @@ __all__ = [
     "all_active",
     "ssta_384",
     "ssta_64",
+    "ssta_tuned",
+    "spade_64",
     "tile_layout",
     "top_k_for_block_density",
     "top_k_for_density",

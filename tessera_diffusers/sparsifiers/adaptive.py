@@ -12,6 +12,11 @@ of 64, 128 or 256 consecutive tokens is a compact 3-D piece of the video. Per ca
    lower efficiency of small blocks) — one host sync for the choice.
 4. Keep, per (batch, head), the ``ceil(density * nB)`` best key blocks of every query row, plus the
    row's own block (no row is ever empty).
+
+With a ``density`` budget the heads share it instead: each head's density is the budget scaled by
+its needed density over the mean of all heads' (sharp heads get less, diffuse heads more), clamped
+to ``[min_density, max_density]``, so a layer keeps about ``density`` of its block pairs whatever the
+attention mass. ``spade_64()`` is that setting at 64 x 64 blocks over 4 x 4 x 4 token cubes.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class AdaptiveSparsifier:
         block_costs: relative cost per computed token pair of each candidate (same length).
         mass: attention mass (from pooled scores) each query row must keep.
         min_density, max_density: bounds of the per-head fraction of key blocks kept.
+        density: a block-density budget shared by the heads (see the module docstring), or None.
+        head_chunk: heads scored at a time when building the mask (bounds its temporary memory).
     """
 
     tile: tuple[int, int, int] = (4, 8, 8)
@@ -54,6 +61,8 @@ class AdaptiveSparsifier:
     mass: float = 0.9
     min_density: float = 0.05
     max_density: float = 0.5
+    density: float | None = None
+    head_chunk: int = 8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tile", check_triple("tile", self.tile))
@@ -70,6 +79,10 @@ class AdaptiveSparsifier:
             raise InvalidArgumentError(
                 "min_density/max_density", "0 < min_density <= max_density <= 1", (self.min_density, self.max_density)
             )
+        if self.density is not None and not 0.0 < self.density <= 1.0:
+            raise InvalidArgumentError("density", "None or a float in (0, 1]", self.density)
+        if isinstance(self.head_chunk, bool) or not isinstance(self.head_chunk, int) or self.head_chunk < 1:
+            raise InvalidArgumentError("head_chunk", "an int >= 1", repr(self.head_chunk))
         object.__setattr__(self, "block_sizes", sizes)
         object.__setattr__(self, "block_costs", tuple(float(c) for c in self.block_costs))
 
@@ -90,25 +103,53 @@ class AdaptiveSparsifier:
         candidates = []
         for size, cost in zip(self.block_sizes, self.block_costs):
             grouped = group_probs(probs, size // base)
-            density = needed_density(grouped, self.mass).clamp(self.min_density, self.max_density)  # [B, H]
+            density = self.head_densities(needed_density(grouped, self.mass))  # [B, H]
             candidates.append((density.mean() * cost, size, density, grouped))
+        if len(candidates) == 1:  # one geometry: no choice to make, no host sync
+            _, size, density, grouped = candidates[0]
+            return AdaptiveDecision(size, density, {size: math.nan}), grouped
         costs = torch.stack([c[0] for c in candidates])
         best = int(torch.argmin(costs))  # the one host sync: the geometry is a Python-level choice
         _, size, density, grouped = candidates[best]
         cost_values = dict(zip(self.block_sizes, costs.tolist()))
         return AdaptiveDecision(size, density, cost_values), grouped
 
+    def head_densities(self, needed: torch.Tensor) -> torch.Tensor:
+        """Per-head fraction of key blocks to keep from each head's needed density ``[B, H]``."""
+        if self.density is not None:
+            needed = needed * (self.density / needed.mean(-1, keepdim=True).clamp_min(1e-6))
+        return needed.clamp(self.min_density, self.max_density)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid) -> LogicalMask:
         """``q, k [B, S, H, D]`` in layout order -> mask over (S, S) at the chosen geometry."""
         decision, scores = self.decide(q, k, grid)
-        n_b = scores.shape[-1]
+        batch, heads, n_b, _ = scores.shape
         keep = torch.ceil(decision.density * n_b).clamp(1, n_b)  # [B, H]
-        order = torch.argsort(scores, dim=-1, descending=True)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n_b, device=q.device).expand_as(order))
-        active = rank < keep[..., None, None]
+        widest = min(n_b, math.ceil(self.max_density * n_b))  # no row keeps more: a static top-k width
+        active = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
+        ranks = torch.arange(widest, device=q.device)
+        for h in range(0, heads, self.head_chunk):  # the top-k of a few heads at a time
+            part = slice(h, h + self.head_chunk)
+            chosen = torch.topk(scores[:, part], widest, dim=-1).indices  # [B, h, nB, widest]
+            wanted = (ranks < keep[:, part, None, None]).expand_as(chosen)
+            active[:, part].scatter_(-1, chosen, wanted)
         active |= torch.eye(n_b, dtype=torch.bool, device=q.device)
         seq = grid.num_tokens
-        return LogicalMask(active.contiguous(), decision.block, decision.block, seq, seq)
+        return LogicalMask(active, decision.block, decision.block, seq, seq)
+
+
+def spade_64(density: float = 0.10, **overrides) -> AdaptiveSparsifier:
+    """SPADE-style masks at 64 x 64 blocks over 4 x 4 x 4 token cubes, heads sharing a ``density``
+    budget (per-head densities between a third and three times it)."""
+    settings = {
+        "tile": (4, 4, 4),
+        "block_sizes": (64,),
+        "block_costs": (1.0,),
+        "density": density,
+        "min_density": density / 3,
+        "max_density": min(1.0, 3 * density),
+    }
+    return AdaptiveSparsifier(**{**settings, **overrides})
 
 
 def pool_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,9 +186,13 @@ def group_probs(probs: torch.Tensor, factor: int) -> torch.Tensor:
     return rows / counts.view(-1, 1)
 
 
-def needed_density(probs: torch.Tensor, mass: float) -> torch.Tensor:
-    """Mean over query rows of the fraction of key blocks needed to cover ``mass``. ``[B, H]``."""
+def needed_density(probs: torch.Tensor, mass: float, max_rows: int = 256) -> torch.Tensor:
+    """Mean over query rows of the fraction of key blocks needed to cover ``mass``. ``[B, H]``.
+
+    Over at most ``max_rows`` evenly spaced rows (the mean of a head's rows, not each row, is used)."""
     n = probs.shape[-1]
+    if probs.shape[-2] > max_rows:
+        probs = probs[..., :: math.ceil(probs.shape[-2] / max_rows), :]
     cumulative = probs.sort(-1, descending=True).values.cumsum(-1)
     needed = (cumulative < mass).sum(-1).add(1).clamp(max=n)  # [B, H, n]
     return needed.to(torch.float32).mean(-1) / n

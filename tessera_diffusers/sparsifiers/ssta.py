@@ -11,7 +11,9 @@ For every (batch, head) and query tile ``i``:
 
 ``k = 64``, halved to 32 when the video has at most 31 latent frames; ``lam = 0.7``. The top-k is
 taken outside the window so a row holds exactly ``window + k`` tiles (the predictable density a
-budget needs). Text tokens are not part of this mask; the processor keeps them dense.
+budget needs). With ``block_density`` set, ``k`` is instead chosen per latent grid so that the block
+masks keep about that fraction of block pairs (``top_k_for_block_density``, once per grid). Text
+tokens are not part of this mask; the processor keeps them dense.
 
 Tiles of 6 x 8 x 8 = 384 tokens give 384-token blocks (``ssta_384``); the 4 x 4 x 4 = 64-token
 variant (``ssta_64``) keeps the same token budget with ``k = 384`` tiles.
@@ -19,7 +21,9 @@ variant (``ssta_64``) keeps the same token budget with ``k = 384`` tiles.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 import torch
@@ -41,6 +45,8 @@ class SSTASparsifier:
         lam: weight of the query-key similarity against key redundancy.
         halve_top_k_at_frames: ``top_k`` is halved when the grid has at most this many frames
             (0 disables the rule).
+        block_density: when set, ``top_k`` is chosen per grid for about this block density (and the
+            ``top_k`` field is not used).
     """
 
     tile: tuple[int, int, int] = (6, 8, 8)
@@ -48,6 +54,7 @@ class SSTASparsifier:
     top_k: int = 64
     lam: float = 0.7
     halve_top_k_at_frames: int = 31
+    block_density: float | None = None
     head_separable: ClassVar[bool] = True  # pooling, scores and top-k are per (batch, head)
 
     def __post_init__(self) -> None:
@@ -59,15 +66,22 @@ class SSTASparsifier:
             raise InvalidArgumentError("lam", "a float in [0, 1]", repr(self.lam))
         if isinstance(self.halve_top_k_at_frames, bool) or not isinstance(self.halve_top_k_at_frames, int):
             raise InvalidArgumentError("halve_top_k_at_frames", "an int", repr(self.halve_top_k_at_frames))
+        if self.block_density is not None and (
+            not isinstance(self.block_density, (int, float)) or not 0.0 < float(self.block_density) <= 1.0
+        ):
+            raise InvalidArgumentError("block_density", "None or a float in (0, 1]", repr(self.block_density))
 
     def layout(self, grid: LatentGrid) -> TileLayout:
         return tile_layout(grid, self.tile)
 
     def effective_top_k(self, grid: LatentGrid) -> int:
-        """``top_k`` for this grid (halved for short videos)."""
+        """``top_k`` for this grid (tuned to ``block_density`` if set; halved for short videos)."""
+        top_k = self.top_k
+        if self.block_density is not None:
+            top_k = tuned_top_k(dataclasses.replace(self, block_density=None), grid, float(self.block_density))
         if self.halve_top_k_at_frames and grid.frames <= self.halve_top_k_at_frames:
-            return self.top_k // 2
-        return self.top_k
+            return top_k // 2
+        return top_k
 
     def expected_density(self, grid: LatentGrid) -> float:
         """Fraction of tile pairs a mask for ``grid`` activates (exact on the tile grid)."""
@@ -129,6 +143,14 @@ def ssta_384(**overrides) -> SSTASparsifier:
     return SSTASparsifier(**{"tile": (6, 8, 8), "window": (3, 3, 3), "top_k": 64, **overrides})
 
 
+def ssta_tuned(block_density: float = 0.10, **overrides) -> SSTASparsifier:
+    """6 x 8 x 8 tiles, a 1 x 3 x 3 tile window, and top-k chosen per grid for about
+    ``block_density`` of the block pairs (the SSTA-style setting for grids the native scheme was
+    not made for, such as Wan2.1's 21 x 45 x 80)."""
+    settings = {"tile": (6, 8, 8), "window": (1, 3, 3), "top_k": 0, "block_density": block_density}
+    return SSTASparsifier(**{**settings, **overrides})
+
+
 def ssta_64(**overrides) -> SSTASparsifier:
     """The 4 x 4 x 4 = 64-token variant: 3 x 3 x 3 window, top-k 384 tiles (the token budget of
     ``ssta_384``'s 64 tiles of 384)."""
@@ -143,6 +165,12 @@ def top_k_for_density(sparsifier: SSTASparsifier, grid: LatentGrid, density: flo
     extra = max(0, round(density * layout.num_tiles) - window_size(layout, sparsifier.window))
     halved = sparsifier.halve_top_k_at_frames and grid.frames <= sparsifier.halve_top_k_at_frames
     return 2 * extra if halved else extra
+
+
+@lru_cache(maxsize=64)
+def tuned_top_k(sparsifier: SSTASparsifier, grid: LatentGrid, density: float) -> int:
+    """``top_k_for_block_density`` on the CPU, once per (sparsifier, grid, density)."""
+    return top_k_for_block_density(sparsifier, grid, density)
 
 
 def top_k_for_block_density(
