@@ -10,7 +10,7 @@ print(processor.stats())
 """
 
 from .backends import SparseAttentionBackend, TesseraBackend, merge_partials
-from .context import ForwardContext, ModuleRoute, Route, TesseraHook
+from .context import ForwardContext, ModuleRoute, ProcessorHook, Route, TesseraHook
 from .plan_cache import CacheSlot, StepCache
 from .processor import TesseraProcessor
 
@@ -23,6 +23,7 @@ __all__ = [
     "StepCache",
     "TesseraBackend",
     "TesseraHook",
+    "ProcessorHook",
     "TesseraProcessor",
     "merge_partials",
 ]

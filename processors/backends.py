@@ -8,12 +8,14 @@ in the ``CacheSlot`` it is handed (so state lives exactly as long as the mask in
         natural log, -inf for rows without keys)
 
 ``TesseraBackend`` is the default. The benchmark plugs FlexAttention and FlashInfer in through the
-same two methods.
+same method; ``TimedBackend`` times any of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import contextlib
+import time
+from collections.abc import Callable, Hashable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -22,6 +24,7 @@ from tessera_diffusers import reference
 from tessera_diffusers.mask import LogicalMask
 from tessera_diffusers.mask_state import build_mask_state
 from tessera_diffusers.runtime import Runtime, execute, make_request
+from tessera_diffusers.selector import Selector
 from tessera_diffusers.validation import check_inputs
 
 from .plan_cache import CacheSlot, StepCache, tensor_nbytes
@@ -55,16 +58,29 @@ class SparseAttentionBackend(Protocol):
 class TesseraBackend:
     """Tessera's block-sparse attention with the prepared plan kept in the step cache.
 
-    Selection goes through ``runtime`` (its catalog and plan selection); the prepared plan of each
-    mask is stored in the mask's cache slot, so the runtime's own per-mask cache is not used; a
-    reused mask's plan goes through ``Runtime.regrouped`` as the runtime's cache hits do.
-    ``TesseraBackend(Runtime(selector=Selector(reuse_regime=True)))`` lets each new mask of a layer
-    take the previous mask's regime without a statistics read (no host sync per step)."""
+    Each cache key (a layer and guidance branch, or a shared dense helper mask) plans through a
+    ``Runtime`` of its own whose selector, with ``reuse_regime`` (on by default), lets each new mask
+    of the layer take the plan-table regime of the layer's previous mask without a statistics read
+    or a ranking scan: from a layer's second sparse step on, a new mask pays only its launch
+    preparation. ``runtime`` given: every key plans through that one Runtime instead. The prepared
+    plan of each mask is stored in the mask's cache slot; a reused mask's plan goes through
+    ``Runtime.regrouped`` as the runtime's own cache hits do."""
 
     name = "tessera"
 
-    def __init__(self, runtime: Runtime | None = None):
-        self.runtime = runtime or Runtime()
+    def __init__(self, runtime: Runtime | None = None, *, reuse_regime: bool = True):
+        self.runtime = runtime
+        self.reuse_regime = reuse_regime
+        self.runtimes: dict[Hashable, Runtime] = {}  # cache key -> its Runtime (when runtime is None)
+        self.plan_counts: dict[Hashable, list[int]] = {}  # cache key -> [plans prepared, selections reused]
+
+    def runtime_for(self, key: Hashable) -> Runtime:
+        if self.runtime is not None:
+            return self.runtime
+        runtime = self.runtimes.get(key)
+        if runtime is None:
+            runtime = self.runtimes[key] = Runtime(selector=Selector(reuse_regime=self.reuse_regime))
+        return runtime
 
     def attention(
         self,
@@ -80,11 +96,19 @@ class TesseraBackend:
     ) -> AttentionResult:
         scale = check_inputs(q, k, v, mask, None)
         request = make_request(q, k, mask, return_lse)
-
+        runtime = self.runtime_for(slot.key)
         built = []
 
         def build():
-            prepared = self.runtime.plan_request(build_mask_state(mask), request, None)
+            with torch.no_grad():
+                state = build_mask_state(mask)
+                scans = runtime.selector.scans
+                prepared = runtime.plan_request(state, request, None)
+            counts = self.plan_counts.setdefault(slot.key, [0, 0])
+            counts[0] += 1
+            # Reused: the layer's earlier decision served this mask (no ranking scan, no statistics read).
+            if counts[0] > 1 and runtime.selector.scans == scans and "host_stat_values" not in state.__dict__:
+                counts[1] += 1
             built.append(prepared)
             return prepared, tensor_nbytes(prepared)
 
@@ -97,11 +121,77 @@ class TesseraBackend:
             if prepared.settle():
                 cache.plan_resized(slot, tensor_nbytes(prepared) - before)
         if not built:  # a reused mask: the plan Runtime.regrouped names for it (the grouped query layout)
-            reused = self.runtime.regrouped(prepared, request)
+            reused = runtime.regrouped(prepared, request)
             if reused is not prepared:
                 cache.plan_replaced(slot, plan_key, reused, tensor_nbytes(reused) - tensor_nbytes(prepared))
                 prepared = reused
         return execute(prepared, q, k, v, scale, return_lse)
+
+    def plan_report(self, keys: Callable[[Hashable], bool] = lambda key: True) -> dict:
+        """Prepared plans and reused selections over the cache keys ``keys`` accepts: how many keys
+        prepared a plan, how many prepared more than one, and how many of those reused their
+        earlier selection for every plan after the first."""
+        counts = [c for key, c in self.plan_counts.items() if keys(key)]
+        repeated = [c for c in counts if c[0] > 1]
+        return {
+            "keys": len(counts),
+            "plans_prepared": sum(c[0] for c in counts),
+            "selections_reused": sum(c[1] for c in counts),
+            "keys_with_several_plans": len(repeated),
+            "keys_reusing_every_later_plan": sum(1 for c in repeated if c[1] == c[0] - 1),
+        }
+
+
+class AttentionTimer:
+    """Sums the time spent in attention calls: CUDA events on a GPU (read at ``total_ms``), wall time
+    on the CPU."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.cpu_s = 0.0
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def span(self, device: torch.device):
+        self.calls += 1
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.cpu_s += time.perf_counter() - t0
+
+    def total_ms(self) -> float:
+        """Milliseconds in attention since the last ``reset`` (synchronizes with the GPU once)."""
+        if self.events:
+            torch.cuda.synchronize()
+        return self.cpu_s * 1e3 + sum(start.elapsed_time(end) for start, end in self.events)
+
+
+class TimedBackend:
+    """A backend whose calls (planning included) are timed by an ``AttentionTimer``."""
+
+    def __init__(self, inner: SparseAttentionBackend, timer: AttentionTimer):
+        self.inner, self.timer, self.name = inner, timer, inner.name
+
+    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False, part=None):
+        kwargs = {} if part is None else {"part": part}
+        with self.timer.span(q.device):
+            return self.inner.attention(q, k, v, mask, slot=slot, cache=cache, return_lse=return_lse, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
 
 def merge_partials(

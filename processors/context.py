@@ -1,22 +1,24 @@
 """What an attention call needs to know besides its tensors: the latent grid, the layer, the
 denoising step and the guidance branch — and how the processor learns them.
 
-Mechanism (documented in ``TesseraProcessor.attach``):
-
-- **Layer and route** come from a route table built when the processor is attached: the module
-  ``blocks[i].attn1`` of Wan is "video self-attention of layer i", ``transformer_blocks[i].attn`` of
-  HunyuanVideo-1.5 is "joint attention of layer i"; every other attention module keeps its stock
-  processor. Without ``attach`` the route is recognised from the module class and the call, and
-  layers are numbered in the order their modules are first called.
-- **Latent grid, step and branch** come from ``TesseraHook``, a diffusers ``ModelHook`` on the
-  transformer's forward: before each forward it reads ``hidden_states [B, C, F, H, W]`` and the
-  patch size (grid = ``F/pt x H/ph x W/pw``), and the ``cache_context`` diffusers pipelines open
-  around every denoiser call (name = guidance branch, e.g. "cond"/"uncond" for Wan or
-  "pred_cond"/"pred_uncond" for HunyuanVideo-1.5; ``step_index`` when the pipeline gives it).
-  Without ``step_index`` the hook counts forwards per branch; without any context it counts
-  forwards and splits them into ``branches`` alternating branches (call parity). Pipelines reset
-  stateful hooks at the end of a run (``maybe_free_model_hooks``), which restarts the counts and
-  drops the masks and plans of that video.
+- **Layer and route.** ``attach`` builds a route table: ``blocks[i].attn1`` of Wan is "video
+  self-attention of layer i", ``transformer_blocks[i].attn`` of HunyuanVideo-1.5 is "joint attention
+  of layer i"; every other attention module keeps its stock processor. Installed with
+  ``set_attn_processor`` alone, the processor recognises the route from the module class and the
+  call, and numbers layers in the order their modules are first called.
+- **Latent grid.** ``attach``'s ``TesseraHook`` reads ``hidden_states [B, C, F, H, W]`` and the patch
+  size before each forward; alone, the processor reads the grid off the 3-D rotary table both models
+  hand every video attention call (``grid_from_rotary``, once per forward). Where neither is there,
+  the call raises and says what to pass (``latent_grid=``).
+- **Step and branch.** Diffusers pipelines open a ``cache_context`` around every denoiser call (name =
+  guidance branch, "cond"/"uncond" for Wan or "pred_cond"/"pred_uncond" for HunyuanVideo-1.5;
+  ``step_index`` where the pipeline gives it) and hand it to every stateful hook under the
+  transformer. The processor is a module of the transformer once installed (diffusers registers a
+  processor that is an ``nn.Module`` under each attention module), so its own ``ProcessorHook``
+  receives the context with no ``attach``. Without ``step_index``, forwards are counted per branch;
+  without any context, forwards are counted and split into ``branches`` alternating branches.
+  Pipelines reset stateful hooks at the end of a run (``maybe_free_model_hooks``), which restarts
+  the counts and drops the masks and plans of that video.
 """
 
 from __future__ import annotations
@@ -87,6 +89,102 @@ def patch_size_of(transformer: torch.nn.Module) -> tuple[int, int, int]:
     )
 
 
+def grid_from_rotary(rotary: tuple[torch.Tensor, torch.Tensor], seq: int) -> LatentGrid:
+    """The latent grid behind a 3-D rotary table, for ``seq`` video tokens in raster order.
+
+    Both video transformers build ``(cos, sin)`` from the latent grid with the channels of the
+    frame, height and width axes in that order (Wan2.1: ``[1, S, 1, D]``; HunyuanVideo-1.5:
+    ``[S, D]``). A channel of an axis equals token 0's value until that axis first moves off 0, which
+    happens at the axis's raster stride (width 1, height ``W``, frames ``H * W``); the channels of an
+    axis of size 1 never move. So the run of each axis's channels gives its stride, the strides give
+    the grid, and the grid is checked against every token of the table. Raises ``InvalidArgumentError``
+    when the table is not such a table (another model, or a sequence split for context parallelism)."""
+    cos, sin = rotary
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.shape != sin.shape:
+        raise InvalidArgumentError("rotary embedding", "a (cos, sin) pair of equal shapes", _shape_of(rotary))
+    table = torch.cat([cos, sin], -1).reshape(-1, cos.shape[-1] * 2)  # [S, 2D]
+    if table.shape[0] != seq:
+        raise InvalidArgumentError(
+            "rotary embedding", f"a table over the call's {seq} video tokens", f"{table.shape[0]} tokens ({_shape_of(rotary)})"
+        )
+    moved = table != table[:1]  # [S, 2D]: where a channel differs from token 0
+    first = torch.where(moved.any(0), moved.to(torch.uint8).argmax(0), seq).tolist()  # per channel; seq: never
+    half = len(first) // 2  # cos and sin channels of one position move together
+    strides = [min(a, b) for a, b in zip(first[:half], first[half:])]
+    runs: list[int] = []
+    for stride in strides:
+        if not runs or runs[-1] != stride:
+            runs.append(stride)
+    grid = _grid_of_runs(runs, seq)
+    if grid is None or not _table_matches_grid(table, strides, grid):
+        raise InvalidArgumentError(
+            "rotary embedding",
+            "a 3-D rotary table of Wan2.1 or HunyuanVideo-1.5 over the whole video (the latent grid is read from it; "
+            "otherwise call TesseraProcessor.attach(transformer) or pass latent_grid=(frames, height, width))",
+            f"channel strides {runs} over {seq} tokens",
+        )
+    return grid
+
+
+def _shape_of(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_shape_of(v) for v in value) + ")"
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _grid_of_runs(runs: list[int], seq: int) -> LatentGrid | None:
+    """The grid of the channel runs of a (frames | height | width) table (``seq`` = never moves)."""
+    never = seq
+    moving = [r for r in runs if r != never]
+    if any(a <= b for a, b in zip(moving, moving[1:])) or (moving and moving[-1] != 1) or len(runs) > 3:
+        return None
+    # Which axes the moving runs are: all three when there are three runs; with fewer, the runs of
+    # size-1 axes merged, and their place (before, between or after) tells which axes they were.
+    if len(runs) == 3:
+        axes = [i for i, r in enumerate(runs) if r != never]
+    elif runs == [never, 1]:
+        axes = [2]  # frames and height of size 1
+    elif runs == [1, never]:
+        axes = [0]  # height and width of size 1
+    elif runs == [never]:
+        axes = []
+    else:
+        return None
+    sizes = [1, 1, 1]
+    outer = seq
+    for axis, stride in zip(axes, moving):
+        if outer % stride:
+            return None
+        sizes[axis] = outer // stride
+        outer = stride
+    if sizes[0] * sizes[1] * sizes[2] != seq:
+        return None
+    return LatentGrid(*sizes)
+
+
+def _table_matches_grid(table: torch.Tensor, strides: list[int], grid: LatentGrid) -> bool:
+    """Every token's channels of each axis equal those of the token at the same position on that
+    axis alone (position x stride): the table is a function of the grid coordinates."""
+    seq = table.shape[0]
+    token = torch.arange(seq, device=table.device)
+    frames, height, width = grid.as_tuple()
+    axis_stride = {0: height * width, 1: width, 2: 1}
+    axis_size = {0: frames, 1: height, 2: width}
+    half = table.shape[1] // 2
+    for channel_stride in set(strides):
+        if channel_stride == seq:
+            continue
+        axis = next((a for a, s in axis_stride.items() if s == channel_stride and axis_size[a] > 1), None)
+        if axis is None:
+            return False
+        channels = torch.tensor([c for c, s in enumerate(strides) if s == channel_stride], device=table.device)
+        channels = torch.cat([channels, channels + half])
+        position = (token // channel_stride) % axis_size[axis]
+        if not torch.equal(table[:, channels], table[position * channel_stride][:, channels]):
+            return False
+    return True
+
+
 def grid_from_latents(shape: torch.Size | tuple[int, ...], patch: tuple[int, int, int]) -> LatentGrid:
     """Latent grid of ``hidden_states [B, C, F, H, W]`` after a ``patch`` embedding."""
     if len(shape) != 5:
@@ -94,8 +192,32 @@ def grid_from_latents(shape: torch.Size | tuple[int, ...], patch: tuple[int, int
     return LatentGrid(shape[2] // patch[0], shape[3] // patch[1], shape[4] // patch[2])
 
 
+class StepCounter:
+    """Step and guidance branch of each transformer forward (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.branch_forwards: dict[str, int] = {}
+        self.forwards = 0
+
+    def next(self, context: Any, branches: int) -> tuple[str, int]:
+        """(branch, step) of the forward about to run, under the pipeline's ``context`` (or None)."""
+        if context is not None:
+            branch = str(context.name)
+            count = self.branch_forwards.get(branch, 0)
+            self.branch_forwards[branch] = count + 1
+            step = getattr(context, "step_index", None)
+            return branch, int(step) if step is not None else count
+        count = self.forwards
+        self.forwards += 1
+        return f"branch{count % branches}", count // branches
+
+    def reset(self) -> None:
+        self.branch_forwards.clear()
+        self.forwards = 0
+
+
 class TesseraHook(ModelHook):
-    """Tells the processor the latent grid, step and guidance branch of every transformer forward."""
+    """``attach``'s hook on the transformer: the latent grid, step and guidance branch of every forward."""
 
     _is_stateful = True
 
@@ -105,13 +227,12 @@ class TesseraHook(ModelHook):
         self.model = model
         self.patch = patch
         self.state_manager = StateManager(HookState)  # receives the pipeline's cache_context
-        self.branch_forwards: dict[str, int] = {}
-        self.forwards = 0
+        self.counter = StepCounter()
 
     def pre_forward(self, module: torch.nn.Module, *args, **kwargs) -> tuple[tuple[Any], dict[str, Any]]:
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         grid = grid_from_latents(hidden_states.shape, self.patch) if isinstance(hidden_states, torch.Tensor) else None
-        branch, step = self.where(current_context(self.state_manager))
+        branch, step = self.counter.next(current_context(self.state_manager), self.processor.branches)
         self.processor.begin_forward(ForwardContext(self.model, grid, step, branch))
         return args, kwargs
 
@@ -119,22 +240,27 @@ class TesseraHook(ModelHook):
         self.processor.end_forward()
         return output
 
-    def where(self, context: Any) -> tuple[str, int]:
-        """(branch, step) of the forward about to run."""
-        if context is not None:
-            branch = str(context.name)
-            count = self.branch_forwards.get(branch, 0)
-            self.branch_forwards[branch] = count + 1
-            step = getattr(context, "step_index", None)
-            return branch, int(step) if step is not None else count
-        branches = self.processor.branches
-        count = self.forwards
-        self.forwards += 1
-        return f"branch{count % branches}", count // branches
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.counter.reset()
+        self.processor.new_run()
+        return module
+
+
+class ProcessorHook(ModelHook):
+    """The processor's own stateful hook: receives the pipeline's ``cache_context`` and its end-of-run
+    reset through the transformer the processor is installed in (no ``attach`` needed)."""
+
+    _is_stateful = True
+
+    def __init__(self, processor: TesseraProcessor):
+        super().__init__()
+        self.processor = weakref.proxy(processor)  # the processor owns the hook
+        self.state_manager = StateManager(HookState)
+
+    def context(self) -> Any:
+        return current_context(self.state_manager)
 
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
-        self.branch_forwards.clear()
-        self.forwards = 0
         self.processor.new_run()
         return module
 

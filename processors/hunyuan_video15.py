@@ -89,7 +89,7 @@ def hunyuan_video15_joint_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hidden_states [B, Sv, C]``, ``encoder_hidden_states [B, St, C]`` -> (video ``[B, Sv, C]``,
     text ``[B, St, C]``), like the stock processor."""
-    layout = processor.layout_for(call.grid, hidden_states.shape[1])
+    layout = processor.layout_for(route, call.grid, hidden_states.shape[1])
     x = layout.to_layout(hidden_states)
     q_v, k_v, v_v = project(attn, x, added=False)
     if image_rotary_emb is not None:

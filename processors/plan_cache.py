@@ -5,14 +5,19 @@ shapes, and sparse masks change slowly across steps. ``StepCache`` keeps, per ke
 ``(model, layer, branch)``, the mask a sparsifier made and every backend's plan state for it:
 
 - the mask is recomputed when ``recompute_every`` steps have passed since it was made (or when the
-  token layout, batch or sequence changes, or the step went backwards: a new run);
+  token layout, batch or sequence changes, or the step went backwards: a new run); a mask that no
+  later call can use (``recompute_every`` 1, no mask shared between branches) is not kept at all —
+  its plan lives for its own call, and the layer keeps only its plan-table decision (the backend's);
+  unless the sparsifier hands the same mask object back (a static mask, which it keeps alive
+  itself): from then on that mask and its plan are kept like any other;
 - the plan state (Tessera's prepared plan, a FlexAttention ``BlockMask``, ...) is kept while the
   slot holds the same mask object; a new mask object drops it (a sparsifier that returns the same
   object for an unchanged pattern keeps it);
 - "dense" decisions (``None`` masks) are never kept: they are cheap to ask again, and a dense
   warm-up must end on time whatever the cadence;
 - the total size of everything kept is bounded by ``max_bytes``; the least recently used slots go
-  first (never the one being used).
+  first (never the one being used). ``None`` leaves the bound to the owner, who sets it at first use
+  (the processor: twice the bytes of the first sparse call's hidden states).
 
 Dense helper masks (text keys of HunyuanVideo-1.5) live in shared slots keyed by shape.
 """
@@ -20,6 +25,7 @@ Dense helper masks (text keys of HunyuanVideo-1.5) live in shared slots keyed by
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -29,7 +35,6 @@ import torch
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
 
-DEFAULT_MAX_BYTES = 4 << 30
 
 
 @dataclass(eq=False)
@@ -64,14 +69,17 @@ class StepCache:
 
     Args:
         recompute_every: steps a mask is used for before it is recomputed (1: every step).
-        max_bytes: bound on the bytes kept (masks + plan state).
+        max_bytes: bound on the bytes kept (masks + plan state); None: unbounded until set.
+        keep_masks: whether computed masks are kept for later calls (False: each lives for its call).
     """
 
-    def __init__(self, recompute_every: int = 1, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, recompute_every: int = 1, max_bytes: int | None = None, keep_masks: bool = True):
         if isinstance(recompute_every, bool) or not isinstance(recompute_every, int) or recompute_every < 1:
             raise InvalidArgumentError("recompute_every", "an int >= 1", repr(recompute_every))
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise InvalidArgumentError("max_bytes", "an int >= 0", repr(max_bytes))
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+            raise InvalidArgumentError("max_bytes", "None or an int >= 0", repr(max_bytes))
+        self.keep_masks = bool(keep_masks)
+        self.last_masks: dict[Hashable, weakref.ref] = {}  # key -> the last mask not kept (repeat detection)
         self.recompute_every = recompute_every
         self.max_bytes = max_bytes
         self.slots: OrderedDict[Hashable, CacheSlot] = OrderedDict()
@@ -98,13 +106,21 @@ class StepCache:
             self.slots.move_to_end(key)
             return slot
         slot = CacheSlot(key, mask, step, signature, mask_bytes=mask_nbytes(mask))
-        if mask is None:
-            self.slots.pop(key, None)  # dense decisions are not kept
+        if mask is None or not (self.keep_masks or self.repeated(key, mask)):
+            self.slots.pop(key, None)  # dense decisions, and masks no later call can use, are not kept
             return slot
         self.slots[key] = slot
         self.slots.move_to_end(key)
         self.enforce_bound(keep=key)
         return slot
+
+    def repeated(self, key: Hashable, mask: LogicalMask) -> bool:
+        """Whether the mask that was not kept for ``key`` last time is this very object."""
+        last = self.last_masks.get(key)
+        if last is not None and last() is mask:
+            return True
+        self.last_masks[key] = weakref.ref(mask)
+        return False
 
     def shared_slot(self, key: Hashable, make_mask) -> CacheSlot:
         """A slot that never expires (e.g. a dense helper mask keyed by its shape)."""
@@ -153,7 +169,7 @@ class StepCache:
     def enforce_bound(self, keep: Hashable) -> None:
         total = self.nbytes
         for key in list(self.slots):
-            if total <= self.max_bytes:
+            if self.max_bytes is None or total <= self.max_bytes:
                 break
             if key == keep:
                 continue
@@ -163,6 +179,7 @@ class StepCache:
 
     def clear(self) -> None:
         self.slots.clear()
+        self.last_masks.clear()
 
     def report(self) -> dict:
         """Counts and memory (bytes) of the cache."""

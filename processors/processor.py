@@ -1,26 +1,33 @@
 """TesseraProcessor: one diffusers attention processor for a whole video transformer.
 
-    processor = TesseraProcessor(sparsifier=ssta_384())
-    processor.attach(pipe.transformer)   # = set_attn_processor(processor) + the context hook
+    pipe.transformer.set_attn_processor(TesseraProcessor())
     video = pipe(...).frames
 
 Video self-attention — Wan2.1 ``attn1``, HunyuanVideo-1.5 joint attention — runs through Tessera
 with the sparsifier's masks; every other attention call (Wan cross-attention incl. I2V image
 tokens, the HunyuanVideo-1.5 text refiner) goes to the stock processor, untouched.
 
-``pipe.transformer.set_attn_processor(TesseraProcessor(...))`` alone also works: routes are then
-recognised per call and layers numbered by first call; the latent grid must then be given
-(``latent_grid=``), otherwise the video is treated as one row of tokens (1-D blocks, with a
-warning). ``attach`` is the documented way: it knows the grid, step and guidance branch of every
-forward (see ``context.py``).
+The one line is enough: the processor reads each forward's latent grid off the rotary table the
+models hand it, and receives the pipeline's step and guidance branch through its own diffusers hook
+(see ``context.py``). ``attach(transformer)`` is the explicit form with identical results: it also
+numbers layers by block index, reads the grid from the latents, and is required for context
+parallelism (``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))``, before or after
+``attach``; see ``tessera_diffusers.parallel``).
 
-Multi-GPU: with diffusers' ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))``
-(before or after ``attach``) the processor runs Ulysses itself; see ``tessera_diffusers.parallel``.
+Defaults, per model (``TesseraProcessor()`` with no sparsifier):
+
+    HunyuanVideo-1.5   its own SSTA setting: 6 x 8 x 8 tiles, 3 x 3 x 3 window + top-k 64 (32 for
+                       <= 31 latent frames), text dense
+    Wan2.1             ``WAN_DEFAULT``: ~10 % block density (see ``default_sparsifier``)
+
+both after ``DEFAULT_WARMUP_STEPS`` dense steps. Masks are recomputed every step
+(``recompute_every``); each layer keeps its plan-table decision from its first sparse step on.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -38,86 +45,137 @@ from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnP
 from tessera_diffusers.errors import InvalidArgumentError, MaskError
 from tessera_diffusers.mask import LogicalMask
 from tessera_diffusers.parallel import Ulysses, ulysses_processor_call
-from tessera_diffusers.sparsifiers.base import LatentGrid
+from tessera_diffusers.sparsifiers.adaptive import spade_64
+from tessera_diffusers.sparsifiers.base import LatentGrid, Sparsifier
 from tessera_diffusers.sparsifiers.layout import TileLayout
-from tessera_diffusers.sparsifiers.ssta import ssta_384
+from tessera_diffusers.sparsifiers.ssta import ssta_384, ssta_tuned
+from tessera_diffusers.sparsifiers.warmup import DenseWarmup
 
-from .backends import SparseAttentionBackend, TesseraBackend
+from .backends import AttentionTimer, SparseAttentionBackend, TesseraBackend, TimedBackend
 from .context import (
     HOOK_NAME,
     ForwardContext,
     IdentityMemo,
     ModuleRoute,
+    ProcessorHook,
     Route,
+    StepCounter,
     TesseraHook,
+    grid_from_rotary,
     patch_size_of,
 )
 from .hunyuan_video15 import TextKeys, hunyuan_video15_joint_attention, text_keys
-from .plan_cache import DEFAULT_MAX_BYTES, CacheSlot, CacheStats, StepCache
+from .plan_cache import CacheSlot, CacheStats, StepCache
 from .wan import wan_self_attention
 
+# Denoising steps kept dense before the sparse masks start: 20 % of the 50 steps both pipelines run
+# by default. Sparse video attention keeps the first, layout-forming steps dense; the number is a
+# trade between fidelity and speed (each dense step costs a full attention pass).
+DEFAULT_WARMUP_STEPS = 10
+# Block density of Wan2.1's default masks.
+WAN_DENSITY = 0.10
+# Wan2.1's default sparsifier: "spade_64" (input-adaptive, 64 x 64 blocks, heads sharing the budget)
+# or "ssta_tuned" (6 x 8 x 8 tiles, 1 x 3 x 3 window + top-k at the budget); the choice and its
+# measurement are in docs/results.md. The other is one argument away.
+WAN_DEFAULT = "spade_64"
+# Kept masks and plans are bounded by this many times the bytes of one sparse call's hidden states
+# (Wan2.1-14B at 720p: 2 x 774 MB; HunyuanVideo-1.5 at 720p: 2 x 457 MB), unless cache_bytes says.
+CACHE_SCALE = 2
+CONTEXT_HOOK_NAME = "tessera_processor_context"
 
-class TesseraProcessor:
+
+def default_sparsifier(route: Route) -> Sparsifier:
+    """The sparsifier ``TesseraProcessor()`` uses for a route when none is given."""
+    if route is Route.HV15_JOINT:
+        inner = ssta_384()
+    elif WAN_DEFAULT == "spade_64":
+        inner = spade_64(WAN_DENSITY)
+    else:
+        inner = ssta_tuned(WAN_DENSITY)
+    return DenseWarmup(inner, steps=DEFAULT_WARMUP_STEPS)
+
+
+class TesseraProcessor(torch.nn.Module):
     """Diffusers attention processor routing video self-attention through Tessera.
 
+    It is an ``nn.Module`` without parameters so that, once installed, it is part of the transformer:
+    the pipeline's ``cache_context`` and end-of-run reset reach its hook (see ``context.py``).
+
     Args:
-        sparsifier: makes the video masks (default: HunyuanVideo-1.5's SSTA scheme, ``ssta_384()``).
+        sparsifier: makes the video masks; None: the per-model default (``default_sparsifier``).
         recompute_every: a layer's mask is recomputed every this many steps and reused in between
-            (with its prepared plan).
-        cache_bytes: bound on the memory of kept masks and plans (reported by ``stats()``).
-        backend: the block-sparse attention implementation (default ``TesseraBackend()``).
-        latent_grid: ``(frames, height, width)`` in tokens, for use without ``attach``.
+            (with its prepared plan); 1 keeps no mask past its call.
+        cache_bytes: bound on the memory of kept masks and plans; None: ``CACHE_SCALE`` times the
+            bytes of the first sparse call's hidden states (reported by ``stats()``).
+        backend: the block-sparse attention implementation (default ``TesseraBackend()``: a
+            plan-table decision per layer, reused from its first sparse step on).
+        latent_grid: ``(frames, height, width)`` in tokens; None: read from the rotary embedding or
+            given by ``attach``.
         branches: guidance branches per step when the pipeline opens no ``cache_context``
             (forwards alternate between them).
         share_branch_masks: compute a layer's mask on the first guidance branch of a step and
             reuse it for the others.
+        time_attention: time every attention call (sparse and dense; CUDA events on a GPU), reported
+            as ``stats()["attention_ms"]``.
     """
 
     _attention_backend = None  # set by diffusers' ``set_attention_backend``; used for dense calls
 
     def __init__(
         self,
-        sparsifier=None,
+        sparsifier: Sparsifier | None = None,
         *,
         recompute_every: int = 1,
-        cache_bytes: int = DEFAULT_MAX_BYTES,
+        cache_bytes: int | None = None,
         backend: SparseAttentionBackend | None = None,
         latent_grid: LatentGrid | tuple[int, int, int] | None = None,
         branches: int = 1,
         share_branch_masks: bool = False,
+        time_attention: bool = False,
     ):
+        super().__init__()
         if sparsifier is not None and (not callable(sparsifier) or not hasattr(sparsifier, "layout")):
             raise InvalidArgumentError("sparsifier", "a sparsifier (layout() and __call__)", type(sparsifier).__name__)
         if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
             raise InvalidArgumentError("branches", "an int >= 1", repr(branches))
-        self.sparsifier = sparsifier if sparsifier is not None else ssta_384()
-        self.cache = StepCache(recompute_every, cache_bytes)
-        self.backend = backend if backend is not None else TesseraBackend()
+        self.sparsifier = sparsifier
+        self.defaults: dict[Route, Sparsifier] = {}  # per-model defaults, chosen at a route's first call
+        self.share_branch_masks = bool(share_branch_masks)
+        keep = isinstance(recompute_every, int) and recompute_every > 1 or self.share_branch_masks
+        self.cache = StepCache(recompute_every, cache_bytes, keep_masks=keep)
+        self.timer = AttentionTimer() if time_attention else None
+        backend = backend if backend is not None else TesseraBackend()
+        self.backend = backend if self.timer is None else TimedBackend(backend, self.timer)
         self.latent_grid = None if latent_grid is None else LatentGrid.of(latent_grid)
         self.branches = branches
-        self.share_branch_masks = bool(share_branch_masks)
 
         self.routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> ModuleRoute
         self.stock: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> original processor
         self.default_stock: dict[type, Any] = {}  # stock processors for modules never attached
         self.models: list[torch.nn.Module] = []
-        self.active: ForwardContext | None = None
+        self.active: ForwardContext | None = None  # attach's context of the running forward
+        self.counter = StepCounter()  # step and branch without attach
+        self.where: tuple[str, int] = ("branch0", 0)  # (branch, step) of the running forward, without attach
+        self.last_context: dict[ModuleRoute, ForwardContext] = {}  # for recomputation in backward
+        self.refreshed: weakref.WeakSet = weakref.WeakSet()  # transformers whose hook cache was checked
         self.memo = IdentityMemo()
         self.calls = {route: 0 for route in Route}
         self.sparse_calls = 0
         self.dense_calls = 0
         self.density_sum: torch.Tensor | None = None  # sum of the densities of computed masks (on device)
         self.masks_computed = 0
-        self.unattached_forwards = -1  # forward counter without the hook (call-order fallback)
         self.warned: set[str] = set()
         self._parallel = None  # diffusers' ParallelConfig (context parallelism), see ``_parallel_config``
         self.ulysses: Ulysses | None = None
+        self.hook = ProcessorHook(self)
+        HookRegistry.check_if_exists_or_initialize(self).register_hook(self.hook, CONTEXT_HOOK_NAME)
 
     # ------------------------------------------------------------------ installation
     def attach(self, transformer: torch.nn.Module) -> TesseraProcessor:
         """Install on ``transformer`` (``WanTransformer3DModel`` or ``HunyuanVideo15Transformer3DModel``):
         ``set_attn_processor(self)`` plus a forward hook that tells the processor the latent grid,
-        denoising step and guidance branch of every forward. Returns ``self``."""
+        denoising step and guidance branch of every forward, and layer numbers by block index.
+        Returns ``self``."""
         if any(model is transformer for model in self.models):
             return self
         if not isinstance(transformer, (WanTransformer3DModel, HunyuanVideo15Transformer3DModel)):
@@ -135,7 +193,8 @@ class TesseraProcessor:
         originals = transformer.attn_processors  # name -> processor, before replacement
         for name, original in originals.items():
             module = transformer.get_submodule(name[: -len(".processor")])
-            self.stock[module] = original
+            if original is not self:
+                self.stock[module] = original
         for layer, block in enumerate(getattr(transformer, "blocks", [])):  # Wan
             self.routes[block.attn1] = ModuleRoute(Route.WAN_SELF, model, layer)
             self.routes[block.attn2] = ModuleRoute(Route.STOCK, model, -1)
@@ -146,6 +205,7 @@ class TesseraProcessor:
             self.routes.setdefault(module, ModuleRoute(Route.STOCK, model, -1))
         transformer.set_attn_processor(self)
         registry.register_hook(TesseraHook(self, model, patch_size_of(transformer)), HOOK_NAME)
+        registry.invalidate_child_registries_cache()  # cache_context reaches the processor's hook too
         self.models.append(transformer)
         if getattr(transformer, "_parallel_config", None) is not None:  # enable_parallelism ran before attach
             self._parallel_config = transformer._parallel_config
@@ -169,7 +229,9 @@ class TesseraProcessor:
                 if hasattr(original, "_parallel_config"):
                     original._parallel_config = parallel
         transformer.set_attn_processor(originals)
-        HookRegistry.check_if_exists_or_initialize(transformer).remove_hook(HOOK_NAME, recurse=False)
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        registry.remove_hook(HOOK_NAME, recurse=False)
+        registry.invalidate_child_registries_cache()
         self.models = [m for m in self.models if m is not transformer]
 
     # ------------------------------------------------------------------ context parallelism
@@ -187,7 +249,7 @@ class TesseraProcessor:
         self.ulysses = Ulysses.from_parallel_config(config)
         self._parallel = config
 
-    # ------------------------------------------------------------------ forward context (hook)
+    # ------------------------------------------------------------------ forward context (hooks)
     def begin_forward(self, context: ForwardContext) -> None:
         self.active = context
 
@@ -195,10 +257,11 @@ class TesseraProcessor:
         self.active = None
 
     def new_run(self) -> None:
-        """Forget masks and plans (a new video); called by the hook when a pipeline run ends."""
+        """Forget masks and plans (a new video); called by the hooks when a pipeline run ends."""
         self.cache.clear()
         self.memo.clear()
-        self.unattached_forwards = -1
+        self.counter.reset()
+        self.last_context.clear()
         self.active = None
 
     def reset(self) -> None:
@@ -210,6 +273,8 @@ class TesseraProcessor:
         self.dense_calls = 0
         self.density_sum = None
         self.masks_computed = 0
+        if self.timer is not None:
+            self.timer.reset()
 
     # ------------------------------------------------------------------ the processor call
     def __call__(
@@ -225,12 +290,17 @@ class TesseraProcessor:
         positionally; the legacy ``Attention`` of HunyuanVideo-1.5 passes keywords and drops any
         keyword the signature does not name — hence both ``rotary_emb`` and ``image_rotary_emb``."""
         route = self.route_of(attn, encoder_hidden_states)
-        self.calls[route.route] += 1
+        recomputing = in_backward()  # activation checkpointing replays this call in the backward pass
+        if not recomputing:
+            self.calls[route.route] += 1
         if route.route is Route.STOCK:
             return self.call_stock(
                 attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb
             )
-        call = self.context_for(route, hidden_states.shape[1])
+        rotary = rotary_emb if route.route is Route.WAN_SELF else image_rotary_emb
+        call = self.context_for(route, hidden_states.shape[1], rotary, recomputing)
+        if self.cache.max_bytes is None:
+            self.cache.max_bytes = CACHE_SCALE * hidden_states.numel() * hidden_states.element_size()
         if self.ulysses is not None:  # context parallelism: tessera_diffusers.parallel
             return ulysses_processor_call(self, attn, hidden_states, rotary_emb, route, call)
         if route.route is Route.WAN_SELF:
@@ -285,29 +355,81 @@ class TesseraProcessor:
         self.routes[attn] = route
         return route
 
-    def context_for(self, route: ModuleRoute, seq_video: int) -> ForwardContext:
-        """The forward context of a sparse call (hook-provided, or the call-order fallback)."""
+    def context_for(
+        self,
+        route: ModuleRoute,
+        seq_video: int,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        recomputing: bool = False,
+    ) -> ForwardContext:
+        """The forward context of a sparse call: ``attach``'s, or the processor's own (the grid from
+        ``latent_grid`` or the rotary table; step and branch from its hook). A call recomputed in
+        the backward pass (activation checkpointing) gets the context of its forward."""
         if self.active is not None and self.active.model == route.model:
             return self.active
-        if route.layer == 0:  # the first layer starts a new forward
-            self.unattached_forwards += 1
-        forwards = max(self.unattached_forwards, 0)
+        if recomputing and route in self.last_context:
+            return self.last_context[route]
+        if route.layer == 0:  # the first sparse layer starts a forward
+            context = self.hook.context()
+            if context is None:
+                self.reach_pipeline_context()
+            self.where = self.counter.next(context, self.branches)
         grid = self.latent_grid
-        return ForwardContext(route.model, grid, forwards // self.branches, f"branch{forwards % self.branches}")
+        if grid is None and rotary is not None and self.ulysses is None:
+            grid = self.memo.get(rotary[0], ("grid", seq_video), lambda: grid_from_rotary(rotary, seq_video))
+        branch, step = self.where
+        call = ForwardContext(route.model, grid, step, branch)
+        self.last_context[route] = call
+        return call
 
-    def layout_for(self, grid: LatentGrid | None, seq_video: int) -> TileLayout:
+    def reach_pipeline_context(self) -> None:
+        """Make the pipeline's ``cache_context`` reach this processor's hook when it cannot yet.
+
+        diffusers caches, per transformer, the hooks its ``cache_context`` visits; a transformer that
+        opened one before the processor was installed does not know the processor's hook. Found
+        through the call stack (the transformer whose forward is running), its cache is refreshed
+        once: the next forwards carry their step and branch (this one counts as a forward without
+        context, and the user is told)."""
+        transformer = running_transformer()
+        if transformer is None or transformer in self.refreshed:
+            return
+        self.refreshed.add(transformer)
+        registry = getattr(transformer, "_diffusers_hook", None)
+        cached = getattr(registry, "_child_registries_cache", None)
+        if cached is None or any(child is getattr(self, "_diffusers_hook", None) for child in cached):
+            return
+        registry.invalidate_child_registries_cache()
+        self.warn_once(
+            "tessera: this transformer opened a cache_context before TesseraProcessor was installed, so the "
+            "pipeline's step and guidance branch reach the processor from the next forward on (this one counts "
+            "as a forward without them); TesseraProcessor().attach(transformer) avoids this"
+        )
+
+    def sparsifier_for(self, route: ModuleRoute | Route) -> Sparsifier:
+        """The sparsifier of a route: the one given, or the model's default."""
+        if self.sparsifier is not None:
+            return self.sparsifier
+        kind = route.route if isinstance(route, ModuleRoute) else route
+        chosen = self.defaults.get(kind)
+        if chosen is None:
+            chosen = self.defaults[kind] = default_sparsifier(kind)
+        return chosen
+
+    def layout_for(self, route: ModuleRoute, grid: LatentGrid | None, seq_video: int) -> TileLayout:
         """The sparsifier's token layout for this call's video tokens."""
         if grid is None:
-            grid = LatentGrid(1, 1, seq_video)
-            self.warn_once(
-                "tessera: the latent grid is unknown (call TesseraProcessor.attach(transformer) or pass "
-                "latent_grid=...); video tokens are treated as one row"
+            raise InvalidArgumentError(
+                "latent grid",
+                "the video's (frames, height, width) in tokens: read from the rotary embedding of Wan2.1 or "
+                "HunyuanVideo-1.5, given by TesseraProcessor.attach(transformer), or passed as "
+                "TesseraProcessor(latent_grid=(frames, height, width))",
+                f"none of them for a call over {seq_video} video tokens",
             )
         if grid.num_tokens != seq_video:
             raise InvalidArgumentError(
                 "hidden_states", f"{grid.num_tokens} video tokens (latent grid {grid})", f"{seq_video} tokens"
             )
-        return self.sparsifier.layout(grid)
+        return self.sparsifier_for(route).layout(grid)
 
     def rotary_in_layout(self, rotary: tuple[torch.Tensor, torch.Tensor], layout: TileLayout, token_dim: int):
         """The rotary tables ``(cos, sin)`` reordered like the tokens (once per forward)."""
@@ -358,10 +480,12 @@ class TesseraProcessor:
         rank_heads: int | None = None,
     ) -> LogicalMask | None:
         """The sparsifier's mask for ``q, k [B, S, h, D]`` in layout order (None: a dense decision),
-        over ``h`` heads or broadcast. Under Ulysses, when q holds this
-        rank's ``rank_heads`` heads (q's heads by default), a mask over every rank's heads is cut to
-        this rank's; the mask of a head chunk (fewer heads) is returned as it came."""
-        mask = self.sparsifier(q, k, layer=route.layer, step=call.step, grid=layout.grid)
+        over ``h`` heads or broadcast, computed outside autograd (a mask is an index set). Under
+        Ulysses, when q holds this rank's ``rank_heads`` heads (q's heads by default), a mask over
+        every rank's heads is cut to this rank's; the mask of a head chunk (fewer heads) is returned
+        as it came."""
+        with torch.no_grad():
+            mask = self.sparsifier_for(route)(q, k, layer=route.layer, step=call.step, grid=layout.grid)
         if mask is None or self.ulysses is None or q.shape[2] != (rank_heads or q.shape[2]):
             return mask
         return self.ulysses.local_mask(mask, q.shape[2] * self.ulysses.degree)
@@ -389,9 +513,14 @@ class TesseraProcessor:
         """Full attention without a mask tensor for ``q, k, v [B, S, H, D]`` (the dense decisions of
         a sparsifier), through diffusers' dispatcher and the backend set with
         ``set_attention_backend`` (if any)."""
-        return dispatch_attention_fn(
-            q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
-        )
+        if self.timer is None:
+            return dispatch_attention_fn(
+                q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+            )
+        with self.timer.span(q.device):
+            return dispatch_attention_fn(
+                q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+            )
 
     def record_density(self, mask: LogicalMask) -> None:
         density = mask.blocks.float().mean()  # stays on the device: no sync in the loop
@@ -402,18 +531,34 @@ class TesseraProcessor:
         self.masks_computed += 1
 
     # ------------------------------------------------------------------ reporting
+    def chosen_sparsifiers(self) -> dict[str, str]:
+        """The sparsifier of every sparse route seen so far (the given one, or the model's default)."""
+        if self.sparsifier is not None:
+            return {"all": repr(self.sparsifier)}
+        return {route.value: repr(sparsifier) for route, sparsifier in self.defaults.items()}
+
     def stats(self) -> dict:
-        """Calls per route, sparse/dense decisions, the mean block density of the masks the sparsifier
-        made (one host sync), cache reuse and memory (bytes)."""
+        """What the processor chose and did: the sparsifier per model route, calls per route,
+        sparse/dense decisions, the mean block density of the masks it made (one host sync), the
+        layers' reuse of their plan-table decisions, the attention time (with ``time_attention``)
+        and the step cache's reuse and memory (bytes)."""
         density = math.nan if self.density_sum is None else float(self.density_sum) / self.masks_computed
-        return {
+        report = {
+            "sparsifiers": self.chosen_sparsifiers(),
             "calls": {route.value: n for route, n in self.calls.items()},
             "sparse_calls": self.sparse_calls,
             "dense_calls": self.dense_calls,
             "masks_computed": self.masks_computed,
             "mean_mask_density": density,
-            "cache": self.cache.report(),
         }
+        backend = self.backend.inner if isinstance(self.backend, TimedBackend) else self.backend
+        if isinstance(backend, TesseraBackend):
+            report["plans"] = backend.plan_report(keys=lambda key: isinstance(key, tuple) and key[:1] != ("dense",))
+        if self.timer is not None:
+            report["attention_ms"] = self.timer.total_ms()
+            report["attention_calls"] = self.timer.calls
+        report["cache"] = self.cache.report()
+        return report
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:
@@ -421,10 +566,32 @@ class TesseraProcessor:
             warnings.warn(message, stacklevel=3)
 
     def __repr__(self) -> str:
+        if self.sparsifier is not None:
+            sparsifier = repr(self.sparsifier)
+        else:
+            chosen = ", ".join(f"{route.value}: {s!r}" for route, s in self.defaults.items())
+            sparsifier = f"per-model default ({chosen or 'chosen at the first call'})"
+        budget = "auto" if self.cache.max_bytes is None else f"{self.cache.max_bytes / 2**20:.0f} MiB"
         return (
-            f"TesseraProcessor(sparsifier={self.sparsifier!r}, backend={self.backend.name}, "
-            f"recompute_every={self.cache.recompute_every}, attached={len(self.models)})"
+            f"TesseraProcessor(sparsifier={sparsifier}, backend={self.backend.name}, "
+            f"recompute_every={self.cache.recompute_every}, cache_bytes={budget}, attached={len(self.models)})"
         )
+
+
+def running_transformer() -> torch.nn.Module | None:
+    """The Wan2.1 or HunyuanVideo-1.5 transformer whose forward is on the call stack, if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, (WanTransformer3DModel, HunyuanVideo15Transformer3DModel)):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def in_backward() -> bool:
+    """Whether this runs inside the autograd engine's backward pass (a checkpointed forward replayed)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def mask_signature(layout: TileLayout, batch: int, heads: int, device: torch.device | str) -> tuple:

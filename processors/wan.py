@@ -44,7 +44,7 @@ def wan_self_attention(
     call: ForwardContext,
 ) -> torch.Tensor:
     """``hidden_states [B, S, C]`` (raster order, S = grid tokens) -> attention output ``[B, S, C]``."""
-    layout = processor.layout_for(call.grid, hidden_states.shape[1])
+    layout = processor.layout_for(route, call.grid, hidden_states.shape[1])
     x = layout.to_layout(hidden_states)
     query, key, value = _get_qkv_projections(attn, x, None)
     query = attn.norm_q(query)

@@ -650,7 +650,7 @@ def ulysses_wan_self_attention(
 
     ulysses: Ulysses = processor.ulysses
     seq = hidden_states.shape[1] * ulysses.degree
-    layout = processor.layout_for(call.grid, seq)
+    layout = processor.layout_for(route, call.grid, seq)
     query, key, value = _get_qkv_projections(attn, hidden_states, None)
     query = attn.norm_q(query)  # RMSNorm over all heads: per token, so on the local chunk as well
     key = attn.norm_k(key)
@@ -706,7 +706,7 @@ def pipelined_video_attention(
     return layout_attention(
         ulysses, query, key, value, layout, attend,
         mask=None if slot is None else slot.mask, make_mask=make_mask, keep=keep, dense=processor.dense_attention,
-        separable=bool(getattr(processor.sparsifier, "head_separable", False)),
+        separable=bool(getattr(processor.sparsifier_for(route), "head_separable", False)),
     )  # fmt: skip
 
 

@@ -290,7 +290,14 @@ def test_layer_step_branch_and_grid_reach_the_sparsifier(step_index):
     grid = LatentGrid(3, 8, 8)
     want = [(layer, step, grid) for step in range(2) for _ in ("cond", "uncond") for layer in range(3)]
     assert recorder.seen == want
-    assert processor.cache.report()["slots"] == 3 * 2  # one per (layer, branch)
+    assert processor.cache.report()["slots"] == 0  # recomputed every step: no mask outlives its call
+
+
+def test_masks_kept_for_later_steps_have_one_slot_per_layer_and_branch():
+    model = tiny_wan_transformer(num_layers=3)
+    processor = TesseraProcessor(Recording(), recompute_every=2).attach(model)
+    denoise(model, wan_inputs(frames=3, size=16), steps=2)
+    assert processor.cache.report()["slots"] == 3 * 2
 
 
 def test_hunyuan_video15_grid_uses_its_patch_size():
@@ -323,11 +330,13 @@ def test_shared_branch_masks_are_computed_once_per_step():
 
 
 def test_static_mask_plans_survive_recomputation():
+    # A mask object the sparsifier hands back again is kept from that repeat on, with its plan.
     model = tiny_wan_transformer(num_layers=2)
     processor = TesseraProcessor(all_active((1, 4, 4))).attach(model)
-    denoise(model, wan_inputs(), steps=3)
+    denoise(model, wan_inputs(), steps=4)
     report = processor.cache.report()
-    assert report["mask_computes"] == 3 * 2 * 2 and report["plan_builds"] == 2 * 2
+    assert report["mask_computes"] == 4 * 2 * 2
+    assert report["plan_builds"] == 2 * 2 * 2 and report["plan_reuses"] == 2 * 2 * 2
 
 
 def test_pipeline_reset_restarts_the_step_count():
@@ -343,24 +352,24 @@ def test_pipeline_reset_restarts_the_step_count():
 def test_call_parity_without_cache_context():
     model = tiny_wan_transformer(num_layers=1)
     recorder = Recording()
-    processor = TesseraProcessor(recorder, branches=2).attach(model)
+    processor = TesseraProcessor(recorder, branches=2, recompute_every=2).attach(model)
     for _ in range(4):
         run(model, wan_inputs())
-    assert [step for _, step, _ in recorder.seen] == [0, 0, 1, 1]
+    assert [step for _, step, _ in recorder.seen] == [0, 0]  # step 1 of each branch reuses its mask
     assert {key[2] for key in processor.cache.slots} == {"branch0", "branch1"}
 
 
 def test_cache_memory_is_bounded_and_reported():
     model = tiny_wan_transformer(num_layers=4)
     sparsifier = SSTASparsifier(tile=(1, 4, 4), window=(1, 3, 3), top_k=2)
-    unbounded = TesseraProcessor(sparsifier).attach(model)
+    unbounded = TesseraProcessor(sparsifier, recompute_every=2).attach(model)
     run(model, wan_inputs())
     per_layer = unbounded.cache.nbytes / 4
     assert per_layer > 0
     unbounded.detach(model)
 
     bound = int(per_layer * 2.5)
-    processor = TesseraProcessor(sparsifier, cache_bytes=bound).attach(model)
+    processor = TesseraProcessor(sparsifier, cache_bytes=bound, recompute_every=2).attach(model)
     denoise(model, wan_inputs(), steps=2)
     report = processor.cache.report()
     assert report["bytes"] <= bound and report["peak_bytes"] <= bound
@@ -382,16 +391,28 @@ def test_set_attn_processor_alone_with_a_latent_grid_matches_attach():
     assert layers == [0, 1]
 
 
-def test_set_attn_processor_alone_without_a_grid_warns_and_runs():
+def test_set_attn_processor_alone_reads_the_grid_from_the_rotary_table():
     model = tiny_hunyuan_video15_transformer()
-    inputs = hv15_inputs()
+    inputs = hv15_inputs(frames=3, size=6)
     stock = run(model, inputs)
-    model.set_attn_processor(TesseraProcessor(all_active()))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    recorder = Recording(tile=(1, 2, 4))
+    model.set_attn_processor(TesseraProcessor(recorder))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = run(model, inputs)
-    assert any("latent grid is unknown" in str(w.message) for w in caught)
+    assert {grid for _, _, grid in recorder.seen} == {LatentGrid(3, 6, 6)}
     torch.testing.assert_close(out, stock, **TOL)
+
+
+def test_a_processor_that_cannot_learn_the_grid_raises():
+    model = tiny_wan_transformer(num_layers=1)
+    processor = TesseraProcessor(all_active())
+    model.set_attn_processor(processor)
+    attn = model.blocks[0].attn1
+    hidden = torch.randn(1, 128, model.config.num_attention_heads * 12)
+    with pytest.raises(InvalidArgumentError, match="latent grid") as info:
+        processor(attn, hidden)  # no rotary table, no attach, no latent_grid
+    assert "latent_grid=" in str(info.value)
 
 
 # --------------------------------------------------------------------------- errors

@@ -1,0 +1,267 @@
+"""The one-liner ``transformer.set_attn_processor(TesseraProcessor())`` on tiny Wan2.1 and
+HunyuanVideo-1.5 models and pipelines (CPU, fp32): it learns the latent grid, the step and the guidance
+branch by itself, makes the same masks and outputs as ``attach()``, picks the per-model defaults,
+keeps no mask it cannot reuse, survives activation checkpointing, and raises where it cannot know
+the grid.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15RotaryPosEmbed
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+from tessera_diffusers.processors import TesseraProcessor
+from tessera_diffusers.processors.context import grid_from_rotary
+from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, default_sparsifier
+from tessera_diffusers.processors.tiny import (
+    hunyuan_video15_prompt_inputs,
+    tiny_hunyuan_video15_pipeline,
+    tiny_hunyuan_video15_transformer,
+    tiny_wan_pipeline,
+    tiny_wan_transformer,
+    wan_prompt_inputs,
+)
+
+from tessera_diffusers import InvalidArgumentError
+from tessera_diffusers.processors.context import Route
+from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+GRIDS = [(3, 8, 6), (1, 8, 6), (3, 1, 6), (3, 8, 1), (1, 1, 6), (3, 1, 1), (1, 8, 1), (1, 1, 1), (21, 45, 80)]
+
+
+# --------------------------------------------------------------------------- the grid from the rotary table
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "x".join(map(str, g)))
+def test_grid_is_read_off_both_models_rotary_tables(grid):
+    frames, height, width = grid
+    wan = WanRotaryPosEmbed(128, (1, 2, 2), 1024)
+    cos_sin = wan(torch.empty(1, 16, frames, 2 * height, 2 * width))
+    assert grid_from_rotary(cos_sin, frames * height * width) == LatentGrid(*grid)
+    hv15 = HunyuanVideo15RotaryPosEmbed(1, 1, [16, 56, 56])
+    cos_sin = hv15(torch.empty(1, 65, frames, height, width))
+    assert grid_from_rotary(cos_sin, frames * height * width) == LatentGrid(*grid)
+
+
+def test_grid_reading_survives_a_bf16_table():
+    wan = WanRotaryPosEmbed(128, (1, 2, 2), 1024).to(torch.bfloat16)  # model.to(bf16) converts the buffers
+    cos_sin = wan(torch.empty(1, 16, 5, 18, 14))
+    assert grid_from_rotary(cos_sin, 5 * 9 * 7) == LatentGrid(5, 9, 7)
+
+
+def test_a_table_that_is_not_a_whole_video_raises():
+    hv15 = HunyuanVideo15RotaryPosEmbed(1, 1, [16, 56, 56])
+    cos, sin = hv15(torch.empty(1, 65, 3, 8, 6))
+    with pytest.raises(InvalidArgumentError, match="rotary embedding"):
+        grid_from_rotary((cos[:72], sin[:72]), 72)  # a context-parallel chunk of the sequence
+    with pytest.raises(InvalidArgumentError, match="rotary embedding"):
+        grid_from_rotary((torch.randn(144, 8), torch.randn(144, 8)), 144)
+    with pytest.raises(InvalidArgumentError, match="over the call's 100 video tokens"):
+        grid_from_rotary((cos, sin), 100)
+
+
+# --------------------------------------------------------------------------- one-liner == attach
+class MaskLog:
+    """A sparsifier that records every mask it makes (with layer, step and grid)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.seen: list[tuple] = []
+
+    def layout(self, grid):
+        return self.inner.layout(grid)
+
+    def __call__(self, q, k, *, layer, step, grid):
+        mask = self.inner(q, k, layer=layer, step=step, grid=grid)
+        self.seen.append((layer, step, grid, None if mask is None else mask.blocks.clone()))
+        return mask
+
+
+def same_log(a: list[tuple], b: list[tuple]) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x[:3] != y[:3] or (x[3] is None) != (y[3] is None):
+            return False
+        if x[3] is not None and not torch.equal(x[3], y[3]):
+            return False
+    return True
+
+
+def sparse_sparsifier():
+    return DenseWarmup(SSTASparsifier(tile=(1, 4, 4), window=(1, 1, 3), top_k=1), steps=1)
+
+
+def wan_forward(model, frames, size, image, seed):
+    gen = torch.Generator().manual_seed(seed)
+    kwargs = {
+        "hidden_states": torch.randn(1, 4, frames, size, size, generator=gen),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 12, 16, generator=gen),
+    }
+    if image:
+        kwargs["encoder_hidden_states_image"] = torch.randn(1, 4, 12, generator=gen)
+    return model(**kwargs).sample
+
+
+def hv15_forward(model, frames, size, image, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return model(
+        hidden_states=torch.randn(1, 4, frames, size, size, generator=gen),
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=torch.randn(1, 6, 16, generator=gen),
+        encoder_attention_mask=(torch.arange(6) < 4).long()[None],
+        encoder_hidden_states_2=torch.randn(1, 4, 8, generator=gen),
+        encoder_attention_mask_2=torch.ones(1, 4, dtype=torch.long),
+        image_embeds=torch.randn(1, 3, 12, generator=gen) if image else torch.zeros(1, 3, 12),
+    ).sample
+
+
+def loop(model, forward, image, resolutions, with_step_index):
+    """Two steps x (cond, uncond) per resolution, under the pipelines' cache_context."""
+    outs = []
+    with torch.no_grad():
+        for frames, size in resolutions:
+            for step in range(2):
+                for branch in ("cond", "uncond"):
+                    kwargs = {"step_index": step} if with_step_index else {}
+                    with model.cache_context(branch, **kwargs):
+                        outs.append(forward(model, frames, size, image, seed=step))
+            model._reset_stateful_cache()  # the end of a pipeline run
+    return outs
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["t2v", "i2v"])
+@pytest.mark.parametrize("model_name", ["wan", "hv15"])
+def test_one_liner_and_attach_make_the_same_masks_and_outputs(model_name, image):
+    if model_name == "wan":
+        make, forward, resolutions, with_step_index = (
+            lambda: tiny_wan_transformer(num_layers=2, image=image), wan_forward, [(3, 16), (2, 24)], True)
+    else:
+        make, forward, resolutions, with_step_index = (
+            lambda: tiny_hunyuan_video15_transformer(num_layers=2), hv15_forward, [(3, 8), (2, 12)], False)
+    explicit, plain = make(), make()
+    attached_log, plain_log = MaskLog(sparse_sparsifier()), MaskLog(sparse_sparsifier())
+    TesseraProcessor(attached_log).attach(explicit)
+    plain.set_attn_processor(TesseraProcessor(plain_log))
+    want = loop(explicit, forward, image, resolutions, with_step_index)
+    got = loop(plain, forward, image, resolutions, with_step_index)
+    assert same_log(attached_log.seen, plain_log.seen)
+    steps = [(layer, step) for layer, step, _, blocks in plain_log.seen if blocks is not None]
+    assert steps and all(step == 1 for _, step in steps)  # step 0 dense (warm-up), step 1 sparse
+    assert any(not bool(blocks.all()) for *_, blocks in plain_log.seen if blocks is not None)  # really sparse
+    assert {grid for _, _, grid, _ in plain_log.seen} == {
+        LatentGrid(f, s // (2 if model_name == "wan" else 1), s // (2 if model_name == "wan" else 1))
+        for f, s in resolutions
+    }
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_one_liner_in_the_pipelines_sees_each_step_and_branch():
+    steps = 3
+    pipe = tiny_wan_pipeline()
+    log = MaskLog(sparse_sparsifier())
+    processor = TesseraProcessor(log)
+    pipe.transformer.set_attn_processor(processor)
+    pipe(**wan_prompt_inputs(), height=64, width=64, num_frames=5, num_inference_steps=steps, guidance_scale=5.0,
+         output_type="latent", generator=torch.Generator().manual_seed(0))
+    layers = pipe.transformer.config.num_layers
+    assert [(layer, step) for layer, step, *_ in log.seen] == [
+        (layer, step) for step in range(steps) for _ in ("cond", "uncond") for layer in range(layers)]
+    assert processor.stats()["dense_calls"] == 2 * layers and processor.stats()["sparse_calls"] == 4 * layers
+
+    pipe = tiny_hunyuan_video15_pipeline()
+    log = MaskLog(sparse_sparsifier())
+    pipe.transformer.set_attn_processor(TesseraProcessor(log))
+    pipe(**hunyuan_video15_prompt_inputs(), height=64, width=64, num_frames=5, num_inference_steps=steps,
+         output_type="latent", generator=torch.Generator().manual_seed(0))
+    layers = pipe.transformer.config.num_layers
+    branches = 2  # the pipeline's guider runs pred_cond and pred_uncond, named, without a step index
+    assert [step for _, step, *_ in log.seen] == [step for step in range(steps) for _ in range(branches * layers)]
+
+
+# --------------------------------------------------------------------------- defaults
+def test_defaults_are_chosen_per_model_and_shown():
+    wan, hv15 = default_sparsifier(Route.WAN_SELF), default_sparsifier(Route.HV15_JOINT)
+    assert isinstance(wan, DenseWarmup) and wan.steps == DEFAULT_WARMUP_STEPS
+    assert isinstance(hv15, DenseWarmup) and hv15.inner == SSTASparsifier()  # HunyuanVideo-1.5's own setting
+
+    model = tiny_wan_transformer(num_layers=2)
+    processor = TesseraProcessor()
+    model.set_attn_processor(processor)
+    with torch.no_grad():
+        for step in range(DEFAULT_WARMUP_STEPS + 1):
+            with model.cache_context("cond", step_index=step):
+                wan_forward(model, 3, 16, False, seed=0)
+    stats = processor.stats()
+    assert set(stats["sparsifiers"]) == {"wan_self_attention"}
+    assert repr(wan.inner) in stats["sparsifiers"]["wan_self_attention"]
+    assert stats["dense_calls"] == 2 * DEFAULT_WARMUP_STEPS and stats["sparse_calls"] == 2
+    assert 0 < stats["mean_mask_density"] < 1
+    assert "wan_self_attention" in repr(processor)
+
+
+def test_timing_and_plan_reuse_are_reported():
+    model = tiny_wan_transformer(num_layers=2)
+    processor = TesseraProcessor(sparse_sparsifier(), time_attention=True)
+    model.set_attn_processor(processor)
+    with torch.no_grad():
+        for step in range(4):
+            with model.cache_context("cond", step_index=step):
+                wan_forward(model, 3, 16, False, seed=step)
+    stats = processor.stats()
+    assert stats["attention_ms"] > 0 and stats["attention_calls"] == 2 * 4
+    plans = stats["plans"]  # 2 layers x 3 sparse steps
+    assert plans["keys"] == 2 and plans["plans_prepared"] == 6
+    assert plans["keys_reusing_every_later_plan"] == plans["keys_with_several_plans"] == 2
+
+
+# --------------------------------------------------------------------------- memory
+def test_one_step_masks_are_not_kept_and_the_budget_follows_the_model():
+    model = tiny_wan_transformer(num_layers=2)
+    processor = TesseraProcessor(sparse_sparsifier())
+    model.set_attn_processor(processor)
+    with torch.no_grad():
+        for step in range(3):
+            with model.cache_context("cond", step_index=step):
+                wan_forward(model, 3, 16, False, seed=step)
+    report = processor.stats()["cache"]
+    assert report["slots"] == 0 and report["bytes"] == 0
+    hidden_bytes = 1 * 3 * 8 * 8 * (2 * 12) * 4  # [B, S, C] fp32 of the first sparse call
+    assert report["max_bytes"] == 2 * hidden_bytes
+
+
+# --------------------------------------------------------------------------- training
+@pytest.mark.parametrize("recompute_every", [1, 2])
+@pytest.mark.parametrize("model_name", ["wan", "hv15"])
+def test_gradient_checkpointing_gives_the_same_gradients(model_name, recompute_every):
+    # The replay in the backward pass must save what the forward saved: masks are made outside
+    # autograd, and a replayed call sees its forward's step (so a kept mask serves both alike).
+    make = tiny_wan_transformer if model_name == "wan" else tiny_hunyuan_video15_transformer
+    forward = wan_forward if model_name == "wan" else hv15_forward
+    grads = []
+    for checkpointing in (False, True):
+        model = make(num_layers=2).train()
+        sparsifier = SSTASparsifier(tile=(1, 4, 4), window=(1, 1, 3), top_k=1)
+        model.set_attn_processor(TesseraProcessor(sparsifier, recompute_every=recompute_every))
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        out = forward(model, 3, 16 if model_name == "wan" else 8, False, seed=0)
+        out.float().pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_installed_after_a_cache_context_the_processor_says_so_and_then_sees_the_steps():
+    model = tiny_wan_transformer(num_layers=1)
+    with torch.no_grad(), model.cache_context("cond", step_index=0):
+        wan_forward(model, 3, 16, False, seed=0)  # a dense run first: diffusers caches its hook list
+    log = MaskLog(sparse_sparsifier())
+    model.set_attn_processor(TesseraProcessor(log))
+    with pytest.warns(UserWarning, match="opened a cache_context before TesseraProcessor was installed"):
+        loop(model, wan_forward, False, [(3, 16)], with_step_index=True)
+    # the first forward counted without context (step 0); from the next one on, the pipeline's steps
+    assert [step for _, step, *_ in log.seen] == [0, 0, 1, 1]
