@@ -1,32 +1,38 @@
-"""The denoising loop at 720p token counts: dense cuDNN SDPA vs FlexAttention vs FlashInfer vs Tessera.
+"""Full-depth denoising steps at 720p with Tessera installed as users install it, beside dense
+attention and the other block-sparse kernels, in one run.
 
-Real-architecture transformers with random weights (no download), bf16 on one GPU:
+Real-architecture transformers with random weights (no download), bf16 on one GPU, every layer:
 
     Wan2.1-14B          40 heads x 128, 40 blocks, 21 x 45 x 80 = 75,600 video tokens
     HunyuanVideo-1.5    16 heads x 128, 54 blocks, 31 x 45 x 80 = 111,600 video + 1,985 text tokens
 
-Only ``--layers`` blocks are built and only ``--steps`` steps (one guidance branch, or two with
-``--cfg``) are run; the totals are also extrapolated linearly to the full model in a 50-step CFG loop
-(``measured x full_layers / layers x 50 / steps x 2 / branches``) — stated in every report.
+Systems (``--systems``, run one after another on the same model and the same latents):
 
-Every system runs the same processor (``TesseraProcessor``: token tiling, projections, RoPE, the
-HunyuanVideo-1.5 text handling) and the same sparsifier (SSTA-style tile window + top-k, tuned to
-``--density``); only the attention backend differs:
+    dense               Wan2.1: the stock processors; HunyuanVideo-1.5: full attention through the
+                        processor with the text padding dropped (the stock one builds an S x S mask:
+                        ``stock``); both on diffusers' cuDNN SDPA backend
+    stock               the stock processors as they are (HunyuanVideo-1.5: its dense S x S mask)
+    one-liner           ``transformer.set_attn_processor(TesseraProcessor())``, the README's line
+    attach              ``TesseraProcessor().attach(transformer)``
+    tessera:<sp>        ``TesseraProcessor(<sp>)`` with a named sparsifier (``SPARSIFIERS``)
+    flex:<sp>           the same processor and masks, FlexAttention (compiled, its fastest tiles)
+    flashinfer:<sp>     the same, FlashInfer's VariableBlockSparseAttentionWrapper
 
-    dense       full attention, no mask (text padding dropped), diffusers' cuDNN SDPA backend
-    flex        FlexAttention (torch.compile), BlockMask built from each new mask
-    flashinfer  FlashInfer VariableBlockSparseAttentionWrapper, planned for each new mask
-    tessera     Tessera's runtime, prepared plan per mask; a layer's new mask reuses the previous
-                mask's plan-table regime (``Selector(reuse_regime=True)``)
+Each system runs one untimed forward (compilation, autotuning) and then ``--steps`` denoising steps
+from ``--first-step`` under the pipelines' ``cache_context`` (one guidance branch; ``--cfg`` for
+two), so with the default ``--first-step`` (the processor's dense warm-up length) every measured
+step of a sparse system is sparse. Reported per system: wall time of each measured step (the
+transformer forwards of that step, to completion), peak GPU memory over the measured steps,
+attention time (GPU time inside the attention calls, mask preparation and planning included, for
+the processor-based systems), mean mask density, the processor's plan-reuse counts, and the
+relative L2 difference of the first measured step's output from dense's. Nothing is extrapolated
+unless ``--extrapolate`` is given; then the report adds a column labelled as such (measured steps
+and layers scaled to 50 steps, two branches, every layer).
 
-Attention time = GPU time inside the backend calls (each system's own mask preprocessing and
-planning included, whenever the mask changes); loop time = wall time of the whole loop (sparsifier,
-permutations and the rest of the transformer included). Masks are computed live by the same
-sparsifier in every system (identical at step 0; later steps follow each system's own trajectory,
-so top-k picks may differ by bf16 noise; the density is the same).
-
-    python benchmarks/diffusion_loop.py --out benchmarks/results/loop            # H200, ~5 min
-    python benchmarks/diffusion_loop.py --out /tmp/loop --smoke                  # CPU, tiny models
+    python benchmarks/diffusion_loop.py --out benchmarks/results/loop                 # H200
+    python benchmarks/diffusion_loop.py --out /tmp/loop --models wan --systems one-liner \
+        --first-step 0 --steps 50                                                     # a true 50-step loop
+    python benchmarks/diffusion_loop.py --out /tmp/loop --smoke                       # CPU, tiny models
 
 Writes ``diffusion_loop.json``, ``diffusion_loop.md`` and ``diffusion_loop.png`` (with matplotlib)
 under ``--out``.
@@ -35,7 +41,6 @@ under ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import inspect
 import json
 import math
@@ -48,17 +53,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tessera_diffusers.processors import TesseraBackend, TesseraProcessor
-from tessera_diffusers.runtime import Runtime
-from tessera_diffusers.selector import Selector
+from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.context import grid_from_latents, patch_size_of
+from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, WAN_DENSITY
 
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
-from tessera_diffusers.sparsifiers import LatentGrid, SSTASparsifier, tile_layout, top_k_for_block_density
+from tessera_diffusers.sparsifiers import LatentGrid, SSTASparsifier, spade_64, ssta_384, ssta_tuned, tile_layout
 
 FULL_STEPS = 50
 FULL_BRANCHES = 2  # classifier-free guidance
+SPARSIFIERS = {
+    "spade_64": lambda: spade_64(WAN_DENSITY),
+    "ssta_tuned": lambda: ssta_tuned(WAN_DENSITY),
+    "ssta_384": ssta_384,
+}
 
 
 # ============================================================================ models
@@ -67,51 +76,49 @@ class ModelSpec:
     name: str
     label: str
     full_layers: int
-    grid: LatentGrid
     heads: int
     head_dim: int
 
 
 SPECS = {
-    "wan": ModelSpec("wan", "Wan2.1-14B T2V 720p", 40, LatentGrid(21, 45, 80), 40, 128),
-    "hv15": ModelSpec("hv15", "HunyuanVideo-1.5 720p", 54, LatentGrid(31, 45, 80), 16, 128),
+    "wan": ModelSpec("wan", "Wan2.1-14B T2V 720p, 81 frames", 40, 40, 128),
+    "hv15": ModelSpec("hv15", "HunyuanVideo-1.5 720p, 121 frames", 54, 16, 128),
 }
 
 
-def build_wan(layers: int, device: torch.device, dtype: torch.dtype, smoke: bool):
-    """Wan2.1-14B blocks (or the tiny test model) and its forward inputs."""
+def build_wan(layers: int | None, device: torch.device, dtype: torch.dtype, smoke: bool):
+    """Wan2.1-14B (``layers`` blocks, all by default) or the tiny test model, and its forward inputs."""
     from diffusers import WanTransformer3DModel
 
     if smoke:
         from tessera_diffusers.processors.tiny import tiny_wan_transformer
 
-        model = tiny_wan_transformer(num_layers=layers).to(device, dtype)
+        model = tiny_wan_transformer(num_layers=layers or 2).to(device, dtype)
         latents = (1, 4, 3, 16, 16)
         text = torch.randn(1, 12, 16, device=device, dtype=dtype)
     else:
-        with torch.device(device):
-            model = WanTransformer3DModel(num_layers=layers)  # 14B configuration
-        model = model.to(dtype).eval()
+        kwargs = {} if layers is None else {"num_layers": layers}
+        model = construct(lambda: WanTransformer3DModel(**kwargs), device, dtype)  # the 14B configuration
         latents = (1, 16, 21, 90, 160)  # 720p, 81 frames -> 21 x 45 x 80 tokens after (1, 2, 2) patches
         text = torch.randn(1, 512, 4096, device=device, dtype=dtype)
     return model, latents, {"encoder_hidden_states": text}
 
 
-def build_hv15(layers: int, device: torch.device, dtype: torch.dtype, smoke: bool, qwen_valid: int):
-    """HunyuanVideo-1.5 blocks (or the tiny test model) and its forward inputs (I2V-like: the image
-    tokens are valid; ``qwen_valid`` of the 1,000 Qwen tokens and all 256 byT5 tokens valid)."""
+def build_hv15(layers: int | None, device: torch.device, dtype: torch.dtype, smoke: bool, qwen_valid: int):
+    """HunyuanVideo-1.5 (``layers`` blocks, all by default) or the tiny test model, and its forward
+    inputs (I2V-like: the image tokens are valid; ``qwen_valid`` of the 1,000 Qwen tokens and all 256
+    byT5 tokens valid)."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     if smoke:
         from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer
 
-        model = tiny_hunyuan_video15_transformer(num_layers=layers).to(device, dtype)
+        model = tiny_hunyuan_video15_transformer(num_layers=layers or 2).to(device, dtype)
         latents, text_dims, lengths = (1, 4, 3, 8, 8), (16, 8, 12), (6, 4, 3)
         qwen_valid = min(qwen_valid, 4)
     else:
-        with torch.device(device):
-            model = HunyuanVideo15Transformer3DModel(num_layers=layers, target_size=720)
-        model = model.to(dtype).eval()
+        kwargs = {"target_size": 720} if layers is None else {"num_layers": layers, "target_size": 720}
+        model = construct(lambda: HunyuanVideo15Transformer3DModel(**kwargs), device, dtype)
         latents, text_dims, lengths = (1, 65, 31, 45, 80), (3584, 1472, 1152), (1000, 256, 729)
     inputs = {
         "encoder_hidden_states": torch.randn(1, lengths[0], text_dims[0], device=device, dtype=dtype),
@@ -123,85 +130,16 @@ def build_hv15(layers: int, device: torch.device, dtype: torch.dtype, smoke: boo
     return model, latents, inputs
 
 
-# ============================================================================ timing
-class Timer:
-    """Sums the time of code spans: CUDA events on a GPU (read once at the end), wall time on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.reset()
-
-    def reset(self) -> None:
-        self.events: list = []
-        self.cpu_s = 0.0
-        self.count = 0
-
-    @contextlib.contextmanager
-    def span(self):
-        self.count += 1
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self.cpu_s += time.perf_counter() - t0
-
-    def total_ms(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return float(sum(s.elapsed_time(e) for s, e in self.events))
-        return self.cpu_s * 1e3
-
-
-class TimedBackend:
-    """Times every call of an attention backend (planning included)."""
-
-    def __init__(self, inner, timer: Timer):
-        self.inner, self.timer, self.name = inner, timer, inner.name
-
-    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False, part=None):
-        with self.timer.span():
-            return self.inner.attention(q, k, v, mask, slot=slot, cache=cache, return_lse=return_lse, part=part)
-
-
-class TimedSparsifier:
-    """Times mask computation."""
-
-    def __init__(self, inner, timer: Timer):
-        self.inner, self.timer = inner, timer
-
-    def layout(self, grid):
-        return self.inner.layout(grid)
-
-    def __call__(self, q, k, *, layer, step, grid):
-        with self.timer.span():
-            return self.inner(q, k, layer=layer, step=step, grid=grid)
-
-
-class AlwaysDense:
-    """Full attention in raster order (no token permutation)."""
-
-    def layout(self, grid):
-        return tile_layout(grid, None)
-
-    def __call__(self, q, k, *, layer, step, grid):
-        return None
-
-
-class TimedDenseProcessor(TesseraProcessor):
-    """The processor with its dense attention timed (the dense system)."""
-
-    def __init__(self, *args, timer: Timer, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.timer = timer
-
-    def dense_attention(self, q, k, v):
-        with self.timer.span():
-            return super().dense_attention(q, k, v)
+def construct(make, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A model built directly on ``device`` in ``dtype`` (random weights, no full-precision copy)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = make()
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(device, dtype).eval()
 
 
 # ============================================================================ other systems' backends
@@ -314,10 +252,17 @@ class FlexBackend:
             return block_mask, 0
 
         block_mask = cache.plan(slot, (self.name, batch, heads, part), build)
-        small = mask.block_q % 128 or mask.block_kv % 128
-        options = {"BLOCK_M": 64, "BLOCK_N": 64} if small and self.compiled else None
-        out, lse = self.run(q, k, v, block_mask, options)
+        out, lse = self.run(q, k, v, block_mask, flex_options(mask) if self.compiled else None)
         return (out, lse) if return_lse else out  # FlexAttention returns natural-log lse
+
+
+def flex_options(mask: LogicalMask) -> dict:
+    """FlexAttention's kernel options for a geometry: tiles matched to the blocks (64 rows for blocks
+    that are not multiples of 128), 4 warps for 64-row tiles and 8 for 128, 3 pipeline stages (its
+    fastest configuration on these masks; the defaults run the 64-row families about 1.9x slower)."""
+    rows = 64 if mask.block_q % 128 else 128
+    cols = 64 if mask.block_kv % 128 else 128
+    return {"BLOCK_M": rows, "BLOCK_N": cols, "num_warps": 4 if rows == 64 else 8, "num_stages": 3}
 
 
 class FlashInferBackend:
@@ -396,9 +341,22 @@ def grow_buffer(owner, attribute: str, needed: int) -> None:
         setattr(owner, attribute, torch.empty(needed, dtype=current.dtype, device=current.device))
 
 
-# ============================================================================ the loop
+# ============================================================================ the systems
 class Unavailable(Exception):
     """A system that cannot run on this machine (reported, not an error)."""
+
+
+class AlwaysDense:
+    """Full attention in raster order (no token permutation)."""
+
+    def layout(self, grid):
+        return tile_layout(grid, None)
+
+    def __call__(self, q, k, *, layer, step, grid):
+        return None
+
+    def __repr__(self) -> str:
+        return "AlwaysDense()"
 
 
 @dataclass
@@ -406,101 +364,125 @@ class SystemResult:
     system: str
     status: str = "ok"
     detail: str = ""
+    step_s: list[float] = field(default_factory=list)
+    peak_gib: float = float("nan")
     attention_ms: float = float("nan")
     attention_calls: int = 0
-    mask_ms: float = float("nan")
-    loop_s: float = float("nan")
     mask_density: float = float("nan")
-    cache: dict = field(default_factory=dict)
-    final_latents: torch.Tensor | None = None
+    sparsifier: str = ""
+    stats: dict = field(default_factory=dict)
+    first_output: torch.Tensor | None = None
+
+    @property
+    def steady_s(self) -> float:
+        """Mean step time after the first measured step (which also pays first-call costs)."""
+        rest = self.step_s[1:] or self.step_s
+        return sum(rest) / len(rest) if rest else float("nan")
 
 
-def sparsifier_for(spec: ModelSpec, grid: LatentGrid, density: float, window, native: bool, smoke: bool):
-    """The SSTA-style sparsifier of the run: 6x8x8 tiles, ``window``, top-k tuned so that the block
-    masks (what every backend computes) keep about ``density`` of the block pairs."""
-    if smoke:
-        return SSTASparsifier(tile=(1, 4, 4), window=(1, 1, 1), top_k=4)
-    if native and spec.name == "hv15":
-        return SSTASparsifier()  # HunyuanVideo-1.5's own: 6x8x8 tiles, 3x3x3 window, top-k 64 (32 here)
-    base = SSTASparsifier(tile=(6, 8, 8), window=window)
-    top_k = top_k_for_block_density(base, grid, density)  # a structural property: a small CPU probe is enough
-    return SSTASparsifier(tile=(6, 8, 8), window=window, top_k=top_k)
+def install(system: str, model, args, device: torch.device):
+    """Install ``system`` on ``model`` as a user would; returns (processor or None, uninstall)."""
+    originals = model.attn_processors
+    kind, _, name = system.partition(":")
 
+    def restore():
+        model.set_attn_processor(originals)
 
-def denoise(model, latents0, inputs, steps: int, branches: tuple[str, ...], out_channels: int):
-    """Euler steps of a flow-matching loop; HunyuanVideo-1.5 takes [latents | condition | mask]."""
-    latents = latents0.clone()
-    extra = None
-    if model.config.in_channels != out_channels:  # HunyuanVideo-1.5: zero condition latents and mask
-        shape = list(latents.shape)
-        shape[1] = model.config.in_channels - out_channels
-        extra = torch.zeros(shape, device=latents.device, dtype=latents.dtype)
-    for step in range(steps):
-        t = torch.full((latents.shape[0],), 1000.0 * (1.0 - step / steps), device=latents.device, dtype=latents.dtype)
-        model_in = latents if extra is None else torch.cat([latents, extra], 1)
-        preds = []
-        for branch in branches:
-            with model.cache_context(branch, step_index=step):
-                preds.append(model(hidden_states=model_in, timestep=t, return_dict=False, **inputs)[0])
-        velocity = preds[0] if len(preds) == 1 else preds[1] + 5.0 * (preds[0] - preds[1])
-        latents = latents - velocity / steps
-    return latents
-
-
-def run_system(system: str, model, latents0, inputs, args, spec, device, dtype, sparsifier) -> SystemResult:
-    result = SystemResult(system)
-    attn_timer, mask_timer = Timer(device), Timer(device)
-    head_dim = spec.head_dim if not args.smoke else (12 if spec.name == "wan" else 8)
-    if system == "dense":
-        processor = TimedDenseProcessor(AlwaysDense(), timer=attn_timer)
-        if device.type == "cuda":
-            processor._attention_backend = args.dense_backend
+    if kind == "stock" or (kind == "dense" and isinstance(model, wan_class())):
+        if device.type == "cuda" and args.dense_backend != "native":
+            model.set_attention_backend(args.dense_backend)
+        return None, lambda: (restore(), model.reset_attention_backend() if device.type == "cuda" else None)
+    if kind == "dense":
+        processor = TesseraProcessor(AlwaysDense(), time_attention=True)
+        processor._attention_backend = args.dense_backend if device.type == "cuda" else None
+        model.set_attn_processor(processor)
+        return processor, restore
+    if kind == "one-liner":
+        processor = TesseraProcessor(time_attention=True)
+        model.set_attn_processor(processor)
+        return processor, restore
+    if kind == "attach":
+        processor = TesseraProcessor(time_attention=True).attach(model)
+        return processor, lambda: processor.detach(model)
+    if name not in SPARSIFIERS:
+        raise InvalidArgumentError("--systems", f"<system>:<sparsifier> with a sparsifier of {sorted(SPARSIFIERS)}", system)
+    sparsifier = SPARSIFIERS[name]()
+    if kind == "tessera":
+        backend = None
+    elif kind == "flex":
+        backend = FlexBackend(compiled=device.type == "cuda")
+    elif kind == "flashinfer":
+        if device.type != "cuda":
+            raise Unavailable("FlashInfer needs a CUDA device")
+        backend = FlashInferBackend(device, backend=args.flashinfer_backend)
+        backend.calibrate(device, torch.bfloat16, 128)
     else:
-        if system == "tessera":
-            # A loop's masks of one layer are alike from step to step: each new mask takes the
-            # previous one's plan-table regime without a statistics read (no host sync per step).
-            backend = TesseraBackend(Runtime(selector=Selector(reuse_regime=True)))
-        elif system == "flex":
-            backend = FlexBackend(compiled=device.type == "cuda")
-        elif system == "flashinfer":
-            if device.type != "cuda":
-                raise Unavailable("FlashInfer needs a CUDA device")
-            backend = FlashInferBackend(device, backend=args.flashinfer_backend)
-            backend.calibrate(device, dtype, head_dim)
-        else:
-            raise InvalidArgumentError("--systems", "dense, flex, flashinfer or tessera", system)
-        processor = TesseraProcessor(
-            TimedSparsifier(sparsifier, mask_timer),
-            backend=TimedBackend(backend, attn_timer),
-            recompute_every=args.recompute_every,
-        )
-    processor.attach(model)
+        raise InvalidArgumentError("--systems", "dense, stock, one-liner, attach or <tessera|flex|flashinfer>:<sparsifier>", system)
+    processor = TesseraProcessor(sparsifier, backend=backend, time_attention=True)
+    processor._attention_backend = args.dense_backend if device.type == "cuda" else None
+    model.set_attn_processor(processor)
+    return processor, restore
+
+
+def wan_class():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel
+
+
+def denoise_step(model, latents, extra, inputs, step: int, steps_total: int, branches: tuple[str, ...]):
+    """One Euler step of a flow-matching loop (HunyuanVideo-1.5 takes [latents | condition | mask])."""
+    t = torch.full((latents.shape[0],), 1000.0 * (1.0 - step / steps_total), device=latents.device,
+                   dtype=latents.dtype)
+    model_in = latents if extra is None else torch.cat([latents, extra], 1)
+    preds = []
+    for branch in branches:
+        with model.cache_context(branch, step_index=step, num_inference_steps=steps_total):
+            preds.append(model(hidden_states=model_in, timestep=t, return_dict=False, **inputs)[0])
+    velocity = preds[0] if len(preds) == 1 else preds[1] + 5.0 * (preds[0] - preds[1])
+    return latents - velocity / steps_total, preds[0]
+
+
+def run_system(system: str, model, latents0, extra, inputs, args, device) -> SystemResult:
+    result = SystemResult(system)
     branches = ("cond", "uncond") if args.cfg else ("cond",)
-    out_channels = latents0.shape[1]
+    steps_total = max(FULL_STEPS, args.first_step + args.steps)
+    processor, uninstall = install(system, model, args, device)
     try:
         with torch.inference_mode(), warnings.catch_warnings():
-            if system == "tessera" and device.type == "cuda":
+            if processor is not None and device.type == "cuda":
                 # Fail fast rather than time the reference oracle on a GPU.
                 warnings.filterwarnings("error", message="tessera: no native plan")
-            denoise(model, latents0, inputs, 1, branches, out_channels)  # warm-up: compile, JIT, caches
-            processor.reset()
-            model._reset_stateful_cache()
-            attn_timer.reset()
-            mask_timer.reset()
+            if args.warmup:
+                denoise_step(model, latents0, extra, inputs, max(args.first_step - 1, 0), steps_total, branches)
+            if processor is not None:
+                processor.reset()
+            model._reset_stateful_cache()  # a new run, as a pipeline starts it
             sync(device)
-            t0 = time.perf_counter()
-            latents = denoise(model, latents0, inputs, args.steps, branches, out_channels)
-            sync(device)
-            result.loop_s = time.perf_counter() - t0
-        result.attention_ms = attn_timer.total_ms()
-        result.attention_calls = attn_timer.count
-        result.mask_ms = mask_timer.total_ms() if system != "dense" else 0.0
-        stats = processor.stats()
-        result.mask_density = 1.0 if system == "dense" else stats["mean_mask_density"]
-        result.cache = stats["cache"]
-        result.final_latents = latents.float().cpu()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            latents = latents0
+            for i in range(args.steps):
+                start = time.perf_counter()
+                latents, output = denoise_step(model, latents, extra, inputs, args.first_step + i, steps_total, branches)
+                sync(device)
+                result.step_s.append(time.perf_counter() - start)
+                if i == 0:
+                    result.first_output = output.float().cpu()
+                if args.progress:
+                    print(f"    step {args.first_step + i}: {result.step_s[-1]:.2f} s", flush=True)
+            if device.type == "cuda":
+                result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        if processor is not None:
+            stats = processor.stats()
+            result.stats = {key: value for key, value in stats.items() if key != "calls"}
+            result.attention_ms = stats["attention_ms"]
+            result.attention_calls = stats["attention_calls"]
+            result.mask_density = stats["mean_mask_density"]
+            result.sparsifier = ", ".join(f"{k}: {v}" for k, v in stats["sparsifiers"].items())
     finally:
-        processor.detach(model)
+        uninstall()
+        model._reset_stateful_cache()
     return result
 
 
@@ -510,7 +492,7 @@ def sync(device: torch.device) -> None:
 
 
 def check_dense_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The diffusers backend for the dense system: cuDNN SDPA when it runs here, else native SDPA."""
+    """The diffusers backend for dense attention: cuDNN SDPA when it runs here, else native SDPA."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     q = torch.randn(1, 256, 2, 128, device=device, dtype=dtype)
@@ -523,16 +505,23 @@ def check_dense_backend(name: str, device: torch.device, dtype: torch.dtype) -> 
 
 
 def bench_model(spec: ModelSpec, args, device, dtype, deadline: float) -> dict:
-    layers = args.layers
+    start = time.perf_counter()
     if spec.name == "wan":
-        model, latent_shape, inputs = build_wan(layers, device, dtype, args.smoke)
+        model, latent_shape, inputs = build_wan(args.layers, device, dtype, args.smoke)
     else:
-        model, latent_shape, inputs = build_hv15(layers, device, dtype, args.smoke, args.qwen_valid)
+        model, latent_shape, inputs = build_hv15(args.layers, device, dtype, args.smoke, args.qwen_valid)
+    build_s = time.perf_counter() - start
+    layers = len(getattr(model, "blocks", None) or model.transformer_blocks)
     grid = grid_from_latents(latent_shape, patch_size_of(model))
-    sparsifier = sparsifier_for(spec, grid, args.density, tuple(args.window), args.native_ssta, args.smoke)
+    print(f"[{spec.name}] {layers} layers, grid {grid}, built in {build_s:.0f} s", flush=True)
     gen = torch.Generator().manual_seed(0)
     out_channels = model.config.out_channels
     latents0 = torch.randn(latent_shape[0], out_channels, *latent_shape[2:], generator=gen).to(device, dtype)
+    extra = None
+    if model.config.in_channels != out_channels:  # HunyuanVideo-1.5: zero condition latents and mask
+        shape = list(latents0.shape)
+        shape[1] = model.config.in_channels - out_channels
+        extra = torch.zeros(shape, device=device, dtype=dtype)
     results = []
     for system in args.systems:
         if time.perf_counter() > deadline:
@@ -540,7 +529,7 @@ def bench_model(spec: ModelSpec, args, device, dtype, deadline: float) -> dict:
             continue
         print(f"[{spec.name}] {system} ...", flush=True)
         try:
-            result = run_system(system, model, latents0, inputs, args, spec, device, dtype, sparsifier)
+            result = run_system(system, model, latents0, extra, inputs, args, device)
         except Exception as err:  # noqa: BLE001 - a system that cannot run is reported, not fatal
             detail = f"{type(err).__name__}: {err}"
             print(f"[{spec.name}] {system} failed: {detail}", flush=True)
@@ -553,49 +542,48 @@ def bench_model(spec: ModelSpec, args, device, dtype, deadline: float) -> dict:
         results.append(result)
         if result.status == "ok":
             print(
-                f"[{spec.name}] {system}: attention {result.attention_ms:.1f} ms, loop {result.loop_s:.2f} s, "
+                f"[{spec.name}] {system}: steps {' '.join(f'{s:.2f}' for s in result.step_s)} s, "
+                f"peak {result.peak_gib:.1f} GiB, attention {result.attention_ms:.0f} ms, "
                 f"density {result.mask_density:.3f}",
                 flush=True,
             )
     del model
-    return summarize(spec, grid, args, results, sparsifier)
+    return summarize(spec, grid, layers, args, results)
 
 
-def summarize(spec: ModelSpec, grid: LatentGrid, args, results: list[SystemResult], sparsifier) -> dict:
+def summarize(spec: ModelSpec, grid: LatentGrid, layers: int, args, results: list[SystemResult]) -> dict:
     branches = 2 if args.cfg else 1
-    layers = args.layers
     full_layers = spec.full_layers if not args.smoke else layers
-    factor = (full_layers / layers) * (FULL_STEPS / args.steps) * (FULL_BRANCHES / branches)
     by_name = {r.system: r for r in results}
-    reference = by_name.get("tessera")
+    dense = by_name.get("dense")
     rows = []
     for r in results:
         row = {
             "system": r.system,
             "status": r.status,
             "detail": r.detail,
+            "sparsifier": r.sparsifier,
+            "step_s": r.step_s,
+            "first_step_s": r.step_s[0] if r.step_s else float("nan"),
+            "steady_step_s": r.steady_s,
+            "total_s": sum(r.step_s) if r.step_s else float("nan"),
+            "peak_gib": r.peak_gib,
             "attention_ms": r.attention_ms,
             "attention_calls": r.attention_calls,
-            "mask_ms": r.mask_ms,
-            "loop_s": r.loop_s,
-            "mask_density": r.mask_density,
-            "attention_full_s": r.attention_ms / 1e3 * factor,
-            "loop_full_s": r.loop_s * factor,
-            "cache": r.cache,
+            "mask_density": 1.0 if r.system in ("dense", "stock") else r.mask_density,
+            "stats": r.stats,
         }
-        if reference is not None and reference.final_latents is not None and r.final_latents is not None:
-            diff = (r.final_latents - reference.final_latents).norm() / reference.final_latents.norm().clamp_min(1e-12)
-            row["final_latents_rel_diff_vs_tessera"] = float(diff)
+        if dense is not None and dense.status == "ok" and r.status == "ok":
+            row["steady_vs_dense"] = r.steady_s / dense.steady_s
+            row["peak_vs_dense"] = r.peak_gib / dense.peak_gib if dense.peak_gib == dense.peak_gib else float("nan")
+            if dense.first_output is not None and r.first_output is not None:
+                diff = (r.first_output - dense.first_output).norm() / dense.first_output.norm().clamp_min(1e-12)
+                row["output_rel_diff_vs_dense"] = float(diff)
+        if args.extrapolate:
+            row["extrapolated_50_step_cfg_s"] = (
+                r.steady_s * (full_layers / layers) * (FULL_BRANCHES / branches) * FULL_STEPS
+            )
         rows.append(row)
-    ok = {r["system"]: r for r in rows if r["status"] == "ok"}
-    summary = {}
-    if "tessera" in ok:
-        others = [ok[s]["attention_ms"] for s in ("flex", "flashinfer") if s in ok]
-        if others:
-            summary["tessera_attention_speedup_vs_best_sparse"] = min(others) / ok["tessera"]["attention_ms"]
-        if "dense" in ok:
-            summary["tessera_attention_speedup_vs_dense"] = ok["dense"]["attention_ms"] / ok["tessera"]["attention_ms"]
-            summary["tessera_loop_speedup_vs_dense"] = ok["dense"]["loop_s"] / ok["tessera"]["loop_s"]
     return {
         "model": spec.name,
         "label": spec.label if not args.smoke else f"{spec.label} (smoke: tiny model)",
@@ -603,17 +591,11 @@ def summarize(spec: ModelSpec, grid: LatentGrid, args, results: list[SystemResul
         "video_tokens": grid.num_tokens,
         "layers_run": layers,
         "full_layers": full_layers,
+        "first_step": args.first_step,
         "steps_run": args.steps,
         "branches_run": branches,
-        "extrapolation_factor": factor,
-        "extrapolation": (
-            f"measured x {full_layers}/{layers} layers x {FULL_STEPS}/{args.steps} steps x "
-            f"{FULL_BRANCHES}/{branches} guidance branches (linear in layers, steps and branches)"
-        ),
-        "sparsifier": repr(sparsifier),
-        "recompute_every": args.recompute_every,
+        "extrapolated": bool(args.extrapolate),
         "systems": rows,
-        "summary": summary,
     }
 
 
@@ -622,11 +604,13 @@ def write_reports(out: Path, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "diffusion_loop.json").write_text(json.dumps(report, indent=2, default=float))
     lines = [
-        "# Diffusion loop: dense vs FlexAttention vs FlashInfer vs Tessera",
+        "# Denoising steps at full depth: Tessera as installed by users, dense and other kernels",
         "",
-        f"Device: {report['device']}; torch {report['torch']}; dtype {report['dtype']}.",
-        "Attention = GPU time inside the attention backend calls (mask preprocessing and planning included);",
-        "loop = wall time of the whole denoising loop. Masks: the same sparsifier in every sparse system.",
+        f"Device: {report['device']}; torch {report['torch']}; dtype {report['dtype']}; dense backend "
+        f"`{report['dense_backend']}`.",
+        "Step = wall time of one denoising step's transformer forwards, to completion. Attention = GPU time",
+        "inside the attention calls (mask preparation and planning included). Steady = mean over the",
+        "measured steps after the first (which pays first-call selection and compilation).",
         "",
     ]
     for model in report["models"]:
@@ -634,32 +618,35 @@ def write_reports(out: Path, report: dict) -> None:
             f"## {model['label']}",
             "",
             f"Grid {model['grid']} = {model['video_tokens']:,} video tokens; {model['layers_run']} of "
-            f"{model['full_layers']} layers, {model['steps_run']} steps, {model['branches_run']} branch(es); "
-            f"sparsifier `{model['sparsifier']}`, mask recomputed every {model['recompute_every']} step(s).",
-            f"Full-loop columns: {model['extrapolation']}.",
+            f"{model['full_layers']} layers; steps {model['first_step']}..{model['first_step'] + model['steps_run'] - 1}"
+            f" measured, {model['branches_run']} guidance branch(es)."
+            + (" The last column is extrapolated (50 steps, 2 branches, every layer), not measured." if model["extrapolated"] else ""),
             "",
-            "| system | status | mask density | attention (ms, measured) | loop (s, measured) "
-            "| attention (s, full loop) | loop (s, full loop) | mask compute (ms) |",
-            "|---|---|---|---|---|---|---|---|",
+            "| system | status | mask density | first step (s) | steady step (s) | steady vs dense | total (s) "
+            "| peak (GiB) | peak vs dense | attention (ms) | plans: selections reused | out diff vs dense |"
+            + (" extrapolated 50-step CFG (s) |" if model["extrapolated"] else ""),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if model["extrapolated"] else ""),
         ]
         for row in model["systems"]:
             if row["status"] != "ok":
-                lines.append(f"| {row['system']} | {row['status']}: {row['detail'][:80]} | | | | | | |")
+                lines.append(f"| {row['system']} | {row['status']}: {row['detail'][:90]} |" + " |" * (10 + model["extrapolated"]))
                 continue
-            lines.append(
-                f"| {row['system']} | ok | {row['mask_density']:.3f} | {row['attention_ms']:.1f} | {row['loop_s']:.2f} "
-                f"| {row['attention_full_s']:.1f} | {row['loop_full_s']:.1f} | {row['mask_ms']:.1f} |"
-            )
-        summary = model["summary"]
+            plans = row["stats"].get("plans", {})
+            reuse = (f"{plans.get('selections_reused', 0)}/{plans.get('plans_prepared', 0)} "
+                     f"({plans.get('keys_reusing_every_later_plan', 0)}/{plans.get('keys_with_several_plans', 0)} layers)"
+                     if plans else "")
+            cells = [
+                row["system"], "ok", f"{row['mask_density']:.3f}", f"{row['first_step_s']:.2f}",
+                f"{row['steady_step_s']:.2f}", f"{row.get('steady_vs_dense', float('nan')):.3f}", f"{row['total_s']:.1f}",
+                f"{row['peak_gib']:.1f}", f"{row.get('peak_vs_dense', float('nan')):.3f}", f"{row['attention_ms']:.0f}",
+                reuse, f"{row.get('output_rel_diff_vs_dense', float('nan')):.3f}",
+            ]
+            if model["extrapolated"]:
+                cells.append(f"{row['extrapolated_50_step_cfg_s']:.0f}")
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-        if "tessera_attention_speedup_vs_best_sparse" in summary:
-            lines.append(
-                f"- Tessera attention vs the best of FlexAttention/FlashInfer: "
-                f"**{summary['tessera_attention_speedup_vs_best_sparse']:.2f}x**"
-            )
-        if "tessera_attention_speedup_vs_dense" in summary:
-            lines.append(f"- Tessera attention vs dense: **{summary['tessera_attention_speedup_vs_dense']:.2f}x**")
-            lines.append(f"- Tessera loop vs dense: **{summary['tessera_loop_speedup_vs_dense']:.2f}x**")
+        sparsifiers = {row["system"]: row["sparsifier"] for row in model["systems"] if row.get("sparsifier")}
+        lines += [f"- `{name}`: {value}" for name, value in sparsifiers.items()]
         lines.append("")
     (out / "diffusion_loop.md").write_text("\n".join(lines))
     plot(out / "diffusion_loop.png", report)
@@ -675,15 +662,14 @@ def plot(path: Path, report: dict) -> None:
         print("matplotlib is not installed: no plot", flush=True)
         return
     models = report["models"]
-    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 7), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for col, model in enumerate(models):
         rows = [r for r in model["systems"] if r["status"] == "ok"]
-        names = [r["system"] for r in rows]
-        for row_index, (key, label) in enumerate([("attention_full_s", "attention (s)"), ("loop_full_s", "loop (s)")]):
-            ax = axes[row_index][col]
-            ax.bar(names, [r[key] for r in rows], color="tab:blue")
-            ax.set_title(f"{model['model']}: {label}, full 50-step CFG loop (extrap.)", fontsize=9)
-            ax.tick_params(axis="x", labelsize=8)
+        ax = axes[0][col]
+        ax.bar([r["system"] for r in rows], [r["steady_step_s"] for r in rows], color="tab:blue")
+        ax.set_ylabel("steady step (s, measured)")
+        ax.set_title(f"{model['model']}: {model['layers_run']} layers, grid {model['grid']}", fontsize=9)
+        ax.tick_params(axis="x", labelsize=7, rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -696,37 +682,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", default="wan,hv15", help="comma-separated: wan, hv15")
     parser.add_argument(
         "--systems",
-        default="dense,tessera,flex,flashinfer",
-        help="comma-separated, run in this order: dense, tessera, flex, flashinfer",
+        default="dense,one-liner,attach",
+        help="comma-separated, run in this order: dense, stock, one-liner, attach, tessera:<sp>, flex:<sp>, "
+        f"flashinfer:<sp> with <sp> one of {', '.join(SPARSIFIERS)}",
     )
-    parser.add_argument("--steps", type=int, default=None, help="denoising steps run (default 50; smoke 2)")
-    parser.add_argument("--layers", type=int, default=None, help="transformer blocks built and run (default 2)")
-    parser.add_argument("--cfg", action="store_true", help="run both guidance branches (default: one, extrapolated x2)")
-    parser.add_argument("--density", type=float, default=0.10, help="target fraction of block pairs kept")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps measured (default 3; smoke 2)")
     parser.add_argument(
-        "--window",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=[1, 3, 3],
-        help="tile window t,h,w of the SSTA-style sparsifier (default 1,3,3)",
+        "--first-step", type=int, default=None,
+        help=f"step index of the first measured step (default {DEFAULT_WARMUP_STEPS}: the default warm-up's end)",
     )
-    parser.add_argument(
-        "--native-ssta",
-        action="store_true",
-        help="HunyuanVideo-1.5 with its own SSTA setting (3x3x3 window + top-k 32) instead of --density",
-    )
-    parser.add_argument("--recompute-every", type=int, default=1, help="steps between mask recomputations")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="no untimed forward first")
+    parser.add_argument("--layers", type=int, default=None, help="transformer blocks built (default: all)")
+    parser.add_argument("--cfg", action="store_true", help="run both guidance branches (default: one)")
+    parser.add_argument("--extrapolate", action="store_true",
+                        help="add a column scaling the measured steps to a full 50-step CFG loop (labelled)")
     parser.add_argument(
         "--qwen-valid", type=int, default=1000, help="valid Qwen text tokens of 1000 (HunyuanVideo-1.5)"
     )
-    parser.add_argument(
-        "--dense-backend", default="_native_cudnn", help="diffusers attention backend of the dense system"
-    )
+    parser.add_argument("--dense-backend", default="_native_cudnn", help="diffusers attention backend for dense attention")
     parser.add_argument(
         "--flashinfer-backend", default="auto", choices=("auto", "fa2", "fa3"),
         help="backend of FlashInfer's VariableBlockSparseAttentionWrapper (auto: fa3 on Hopper)",
     )
-    parser.add_argument("--max-minutes", type=float, default=7.0, help="skip systems not started by then")
+    parser.add_argument("--max-minutes", type=float, default=9.0, help="skip systems not started by then")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (fp32): checks the harness")
+    parser.add_argument("--progress", action="store_true", help="print every step's time")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -734,8 +714,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.models if m not in SPECS]
     if unknown:
         parser.error(f"--models: expected wan and/or hv15, got {unknown}")
-    args.steps = args.steps or (2 if args.smoke else FULL_STEPS)
-    args.layers = args.layers or 2
+    args.steps = args.steps or (2 if args.smoke else 3)
+    if args.first_step is None:
+        args.first_step = 0 if args.smoke else DEFAULT_WARMUP_STEPS
     return args
 
 
@@ -745,6 +726,7 @@ def main(argv: list[str] | None = None) -> dict:
     deadline = start + 60.0 * args.max_minutes
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.float32
+        args.dense_backend = "native"
     else:
         if not torch.cuda.is_available():
             raise SystemExit("diffusion_loop.py needs a CUDA device (use --smoke for the CPU check)")
@@ -758,7 +740,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "dtype": str(dtype),
-        "dense_backend": args.dense_backend if device.type == "cuda" else "native",
+        "dense_backend": args.dense_backend,
         "argv": sys.argv[1:] if argv is None else list(argv),
         "models": [],
     }
