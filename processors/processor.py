@@ -18,7 +18,8 @@ Defaults, per model (``TesseraProcessor()`` with no sparsifier):
 
     HunyuanVideo-1.5   its own SSTA setting: 6 x 8 x 8 tiles, 3 x 3 x 3 window + top-k 64 (32 for
                        <= 31 latent frames), text dense
-    Wan2.1             ``WAN_DEFAULT``: ~10 % block density (see ``default_sparsifier``)
+    Wan2.1             SSTA-style 6 x 8 x 8 tiles, 1 x 3 x 3 window + top-k chosen per grid for
+                       ~10 % block density (``WAN_DEFAULT``; ``spade_64`` one argument away)
 
 both after ``DEFAULT_WARMUP_STEPS`` dense steps. Masks are recomputed every step
 (``recompute_every``); each layer keeps its plan-table decision from its first sparse step on.
@@ -74,10 +75,11 @@ from .wan import wan_self_attention
 DEFAULT_WARMUP_STEPS = 10
 # Block density of Wan2.1's default masks.
 WAN_DENSITY = 0.10
-# Wan2.1's default sparsifier: "spade_64" (input-adaptive, 64 x 64 blocks, heads sharing the budget)
-# or "ssta_tuned" (6 x 8 x 8 tiles, 1 x 3 x 3 window + top-k at the budget); the choice and its
-# measurement are in docs/results.md. The other is one argument away.
-WAN_DEFAULT = "spade_64"
+# Wan2.1's default sparsifier: "ssta_tuned" (6 x 8 x 8 tiles, 1 x 3 x 3 window + top-k at the budget),
+# which ran the full-depth 720p step faster than "spade_64" (input-adaptive, 64 x 64 blocks, heads
+# sharing the budget) at the same density (docs/results.md). The other is one argument away:
+# TesseraProcessor(DenseWarmup(spade_64(), steps=DEFAULT_WARMUP_STEPS)).
+WAN_DEFAULT = "ssta_tuned"
 # Kept masks and plans are bounded by this many times the bytes of one sparse call's hidden states
 # (Wan2.1-14B at 720p: 2 x 774 MB; HunyuanVideo-1.5 at 720p: 2 x 457 MB), unless cache_bytes says.
 CACHE_SCALE = 2
