@@ -653,6 +653,7 @@ def write_reports(out: Path, report: dict) -> None:
 
 
 def plot(path: Path, report: dict) -> None:
+    """Steady step time per system (top) and every measured step's time (bottom), per model."""
     try:
         import matplotlib
 
@@ -662,7 +663,7 @@ def plot(path: Path, report: dict) -> None:
         print("matplotlib is not installed: no plot", flush=True)
         return
     models = report["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 7), squeeze=False)
     for col, model in enumerate(models):
         rows = [r for r in model["systems"] if r["status"] == "ok"]
         ax = axes[0][col]
@@ -670,6 +671,14 @@ def plot(path: Path, report: dict) -> None:
         ax.set_ylabel("steady step (s, measured)")
         ax.set_title(f"{model['model']}: {model['layers_run']} layers, grid {model['grid']}", fontsize=9)
         ax.tick_params(axis="x", labelsize=7, rotation=30)
+        ax = axes[1][col]
+        for r in rows:
+            steps = range(model["first_step"], model["first_step"] + len(r["step_s"]))
+            ax.plot(list(steps), r["step_s"], marker=".", label=r["system"])
+        ax.set_xlabel("denoising step")
+        ax.set_ylabel("step time (s)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -254,7 +254,7 @@ class ProcessorHook(ModelHook):
 
     def __init__(self, processor: TesseraProcessor):
         super().__init__()
-        self.processor = weakref.proxy(processor)  # the processor owns the hook
+        self.processor = processor
         self.state_manager = StateManager(HookState)
 
     def context(self) -> Any:

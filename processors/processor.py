@@ -573,7 +573,7 @@ class TesseraProcessor(torch.nn.Module):
         else:
             chosen = ", ".join(f"{route.value}: {s!r}" for route, s in self.defaults.items())
             sparsifier = f"per-model default ({chosen or 'chosen at the first call'})"
-        budget = "auto" if self.cache.max_bytes is None else f"{self.cache.max_bytes / 2**20:.0f} MiB"
+        budget = "auto" if self.cache.max_bytes is None else f"{self.cache.max_bytes / 2**20:.1f} MiB"
         return (
             f"TesseraProcessor(sparsifier={sparsifier}, backend={self.backend.name}, "
             f"recompute_every={self.cache.recompute_every}, cache_bytes={budget}, attached={len(self.models)})"
