@@ -1,20 +1,27 @@
 """Diffusers attention processors (installed as ``tessera_diffusers.processors``).
 
 from tessera_diffusers.processors import TesseraProcessor
-from tessera_diffusers.sparsifiers import ssta_384, DenseWarmup
 
-processor = TesseraProcessor(DenseWarmup(ssta_384(), steps=5), recompute_every=2)
-processor.attach(pipe.transformer)      # WanTransformer3DModel or HunyuanVideo15Transformer3DModel
+processor = TesseraProcessor()                       # per-model defaults (see processor.py)
+pipe.transformer.set_attn_processor(processor)       # Wan2.1 or HunyuanVideo-1.5, T2V or I2V
 video = pipe(...).frames
-print(processor.stats())
+print(processor, processor.stats())
+
+# or a sparsifier of your own, and the explicit form (needed for context parallelism):
+from tessera_diffusers.sparsifiers import DenseWarmup, spade_64
+TesseraProcessor(DenseWarmup(spade_64(), steps=10), recompute_every=2).attach(pipe.transformer)
 """
 
 from .backends import SparseAttentionBackend, TesseraBackend, merge_partials
-from .context import ForwardContext, ModuleRoute, ProcessorHook, Route, TesseraHook
+from .backends import AttentionTimer, TimedBackend
+from .context import ForwardContext, ModuleRoute, ProcessorHook, Route, TesseraHook, grid_from_rotary
 from .plan_cache import CacheSlot, StepCache
 from .processor import TesseraProcessor
 
 __all__ = [
+    "AttentionTimer",
+    "TimedBackend",
+    "grid_from_rotary",
     "CacheSlot",
     "ForwardContext",
     "ModuleRoute",
