@@ -200,10 +200,17 @@ class StepCounter:
         self.forwards = 0
 
     def next(self, context: Any, branches: int) -> tuple[str, int]:
-        """(branch, step) of the forward about to run, under the pipeline's ``context`` (or None)."""
+        """(branch, step) of the forward about to run, under the pipeline's ``context`` (or None).
+
+        Forwards counted without a context before the first named ones (a context that could not
+        reach the processor yet) belong to the branches first named after another branch: with
+        branches taking turns, those are the ones that had run already."""
         if context is not None:
             branch = str(context.name)
-            count = self.branch_forwards.get(branch, 0)
+            if branch in self.branch_forwards:
+                count = self.branch_forwards[branch]
+            else:
+                count = self.forwards if self.branch_forwards else 0
             self.branch_forwards[branch] = count + 1
             step = getattr(context, "step_index", None)
             return branch, int(step) if step is not None else count

@@ -86,7 +86,7 @@ CACHE_SCALE = 2
 CONTEXT_HOOK_NAME = "tessera_processor_context"
 
 
-def default_sparsifier(route: Route) -> Sparsifier:
+def default_sparsifier(route: Route, warmup_steps: int = DEFAULT_WARMUP_STEPS) -> Sparsifier:
     """The sparsifier ``TesseraProcessor()`` uses for a route when none is given."""
     if route is Route.HV15_JOINT:
         inner = ssta_384()
@@ -94,7 +94,7 @@ def default_sparsifier(route: Route) -> Sparsifier:
         inner = spade_64(WAN_DENSITY)
     else:
         inner = ssta_tuned(WAN_DENSITY)
-    return DenseWarmup(inner, steps=DEFAULT_WARMUP_STEPS)
+    return DenseWarmup(inner, steps=warmup_steps) if warmup_steps else inner
 
 
 class TesseraProcessor(torch.nn.Module):
@@ -119,6 +119,8 @@ class TesseraProcessor(torch.nn.Module):
             reuse it for the others.
         time_attention: time every attention call (sparse and dense; CUDA events on a GPU), reported
             as ``stats()["attention_ms"]``.
+        warmup_steps: dense denoising steps before the masks start: the defaults' number
+            (``DEFAULT_WARMUP_STEPS``) when None; with a sparsifier given, None adds none.
     """
 
     _attention_backend = None  # set by diffusers' ``set_attention_backend``; used for dense calls
@@ -134,12 +136,19 @@ class TesseraProcessor(torch.nn.Module):
         branches: int = 1,
         share_branch_masks: bool = False,
         time_attention: bool = False,
+        warmup_steps: int | None = None,
     ):
         super().__init__()
         if sparsifier is not None and (not callable(sparsifier) or not hasattr(sparsifier, "layout")):
             raise InvalidArgumentError("sparsifier", "a sparsifier (layout() and __call__)", type(sparsifier).__name__)
         if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
             raise InvalidArgumentError("branches", "an int >= 1", repr(branches))
+        if warmup_steps is not None and (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int)
+                                         or warmup_steps < 0):
+            raise InvalidArgumentError("warmup_steps", "None or an int >= 0", repr(warmup_steps))
+        self.warmup_steps = warmup_steps
+        if sparsifier is not None and warmup_steps:
+            sparsifier = DenseWarmup(sparsifier, steps=warmup_steps)
         self.sparsifier = sparsifier
         self.defaults: dict[Route, Sparsifier] = {}  # per-model defaults, chosen at a route's first call
         self.share_branch_masks = bool(share_branch_masks)
@@ -279,6 +288,7 @@ class TesseraProcessor(torch.nn.Module):
             self.timer.reset()
 
     # ------------------------------------------------------------------ the processor call
+    @torch.compiler.disable  # masks and plans are data-dependent host decisions: compiled graphs break here
     def __call__(
         self,
         attn: torch.nn.Module,
@@ -402,9 +412,9 @@ class TesseraProcessor(torch.nn.Module):
             return
         registry.invalidate_child_registries_cache()
         self.warn_once(
-            "tessera: this transformer opened a cache_context before TesseraProcessor was installed, so the "
-            "pipeline's step and guidance branch reach the processor from the next forward on (this one counts "
-            "as a forward without them); TesseraProcessor().attach(transformer) avoids this"
+            "tessera: this transformer opened a cache_context before TesseraProcessor was installed; the pipeline's "
+            "step and guidance branch reach the processor from the next forward on, and this forward counts as the "
+            "run's first (TesseraProcessor().attach(transformer) needs no such catch-up)"
         )
 
     def sparsifier_for(self, route: ModuleRoute | Route) -> Sparsifier:
@@ -414,7 +424,8 @@ class TesseraProcessor(torch.nn.Module):
         kind = route.route if isinstance(route, ModuleRoute) else route
         chosen = self.defaults.get(kind)
         if chosen is None:
-            chosen = self.defaults[kind] = default_sparsifier(kind)
+            steps = DEFAULT_WARMUP_STEPS if self.warmup_steps is None else self.warmup_steps
+            chosen = self.defaults[kind] = default_sparsifier(kind, steps)
         return chosen
 
     def layout_for(self, route: ModuleRoute, grid: LatentGrid | None, seq_video: int) -> TileLayout:

@@ -265,3 +265,36 @@ def test_installed_after_a_cache_context_the_processor_says_so_and_then_sees_the
         loop(model, wan_forward, False, [(3, 16)], with_step_index=True)
     # the first forward counted without context (step 0); from the next one on, the pipeline's steps
     assert [step for _, step, *_ in log.seen] == [0, 0, 1, 1]
+
+
+def test_installed_after_a_pipeline_run_the_steps_of_both_branches_stay_right():
+    # HunyuanVideo-1.5's pipeline names its branches but gives no step index: counted per branch.
+    steps = 3
+    pipe = tiny_hunyuan_video15_pipeline()
+    call = dict(height=64, width=64, num_frames=5, num_inference_steps=steps, output_type="latent")
+    pipe(**hunyuan_video15_prompt_inputs(), **call, generator=torch.Generator().manual_seed(0))  # stock first
+    log = MaskLog(sparse_sparsifier())
+    pipe.transformer.set_attn_processor(TesseraProcessor(log))
+    with pytest.warns(UserWarning, match="opened a cache_context"):
+        pipe(**hunyuan_video15_prompt_inputs(), **call, generator=torch.Generator().manual_seed(0))
+    layers = pipe.transformer.config.num_layers
+    assert [step for _, step, *_ in log.seen] == [step for step in range(steps) for _ in range(2 * layers)]
+
+
+def test_the_warm_up_length_is_one_keyword():
+    processor = TesseraProcessor(warmup_steps=3)
+    assert processor.sparsifier_for(Route.WAN_SELF).steps == 3
+    assert TesseraProcessor(warmup_steps=0).sparsifier_for(Route.HV15_JOINT) == SSTASparsifier()
+    mine = SSTASparsifier(tile=(1, 4, 4))
+    assert TesseraProcessor(mine, warmup_steps=2).sparsifier_for(Route.WAN_SELF) == DenseWarmup(mine, steps=2)
+    assert TesseraProcessor(mine).sparsifier_for(Route.WAN_SELF) is mine
+    with pytest.raises(InvalidArgumentError, match="warmup_steps"):
+        TesseraProcessor(warmup_steps=-1)
+
+
+def test_the_processor_signature_names_both_rotary_arguments():
+    # The legacy Attention drops keyword arguments its processor's __call__ does not name.
+    import inspect
+
+    names = set(inspect.signature(TesseraProcessor().__call__).parameters)
+    assert {"rotary_emb", "image_rotary_emb", "attention_mask", "encoder_hidden_states"} <= names
