@@ -99,7 +99,32 @@ def grid_from_rotary(rotary: tuple[torch.Tensor, torch.Tensor], seq: int) -> Lat
     axis of size 1 never move. So the run of each axis's channels gives its stride, the strides give
     the grid, and the grid is checked against every token of the table. Raises ``InvalidArgumentError``
     when the table is not such a table (another model, or a sequence split for context parallelism)."""
-    cos, sin = rotary
+    return derive_grid(rotary_table(rotary, seq), seq)[0]
+
+
+class GridReader:
+    """Reads the latent grid off each forward's rotary table: in full (``grid_from_rotary``) the first
+    time a table shape comes, then by checking the remembered grid on the few tokens where its axes
+    wrap (one small device read). Two grids of as many tokens (a portrait and a landscape video) differ
+    on those tokens, so a changed grid is read in full again."""
+
+    def __init__(self) -> None:
+        self.known: dict[tuple, tuple[LatentGrid, list[int]]] = {}  # (S, channels, dtype, device) -> grid, strides
+
+    def __call__(self, rotary: tuple[torch.Tensor, torch.Tensor], seq: int) -> LatentGrid:
+        table = rotary_table(rotary, seq)
+        key = (seq, table.shape[1], table.dtype, str(table.device))
+        known = self.known.get(key)
+        if known is not None and wraps_match(table, *known):
+            return known[0]
+        grid, strides = derive_grid(table, seq)
+        self.known[key] = (grid, strides)
+        return grid
+
+
+def rotary_table(rotary: tuple[torch.Tensor, torch.Tensor], seq: int) -> torch.Tensor:
+    """``[S, 2D]``: cos and sin side by side, one row per token; checked to cover ``seq`` tokens."""
+    cos, sin = rotary if isinstance(rotary, (tuple, list)) and len(rotary) == 2 else (None, None)
     if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.shape != sin.shape:
         raise InvalidArgumentError("rotary embedding", "a (cos, sin) pair of equal shapes", _shape_of(rotary))
     table = torch.cat([cos, sin], -1).reshape(-1, cos.shape[-1] * 2)  # [S, 2D]
@@ -107,6 +132,11 @@ def grid_from_rotary(rotary: tuple[torch.Tensor, torch.Tensor], seq: int) -> Lat
         raise InvalidArgumentError(
             "rotary embedding", f"a table over the call's {seq} video tokens", f"{table.shape[0]} tokens ({_shape_of(rotary)})"
         )
+    return table
+
+
+def derive_grid(table: torch.Tensor, seq: int) -> tuple[LatentGrid, list[int]]:
+    """The grid of a rotary table ``[S, 2D]`` and each cos channel's stride (``seq``: never moves)."""
     moved = table != table[:1]  # [S, 2D]: where a channel differs from token 0
     first = torch.where(moved.any(0), moved.to(torch.uint8).argmax(0), seq).tolist()  # per channel; seq: never
     half = len(first) // 2  # cos and sin channels of one position move together
@@ -123,7 +153,28 @@ def grid_from_rotary(rotary: tuple[torch.Tensor, torch.Tensor], seq: int) -> Lat
             "otherwise call TesseraProcessor.attach(transformer) or pass latent_grid=(frames, height, width))",
             f"channel strides {runs} over {seq} tokens",
         )
-    return grid
+    return grid, strides
+
+
+def wraps_match(table: torch.Tensor, grid: LatentGrid, strides: list[int]) -> bool:
+    """Whether the tokens where ``grid``'s width and height wrap (and the last one) move exactly the
+    channels of their non-zero coordinates, as the table of ``grid`` would."""
+    seq = table.shape[0]
+    frames, height, width = grid.as_tuple()
+    tokens = sorted({t for t in (1, width - 1, width, height * width - 1, height * width, seq - 1) if 0 < t < seq})
+    if not tokens:
+        return True
+    rows = table[torch.tensor([0, *tokens], device=table.device)]
+    moved = (rows[1:] != rows[:1]).cpu().tolist()  # one small device read
+    half = len(strides)
+    axis_of = {height * width: 0, width: 1, 1: 2}
+    for token, row in zip(tokens, moved):
+        coords = (token // (height * width), (token // width) % height, token % width)
+        for channel, stride in enumerate(strides):
+            expected = stride != seq and coords[axis_of[stride]] != 0
+            if (row[channel] or row[channel + half]) != expected:  # a small angle can leave cos at 1.0
+                return False
+    return True
 
 
 def _shape_of(value: Any) -> str:

@@ -56,13 +56,13 @@ from .backends import AttentionTimer, SparseAttentionBackend, TesseraBackend, Ti
 from .context import (
     HOOK_NAME,
     ForwardContext,
+    GridReader,
     IdentityMemo,
     ModuleRoute,
     ProcessorHook,
     Route,
     StepCounter,
     TesseraHook,
-    grid_from_rotary,
     patch_size_of,
 )
 from .hunyuan_video15 import TextKeys, hunyuan_video15_joint_attention, text_keys
@@ -170,6 +170,7 @@ class TesseraProcessor(torch.nn.Module):
         self.last_context: dict[ModuleRoute, ForwardContext] = {}  # for recomputation in backward
         self.refreshed: weakref.WeakSet = weakref.WeakSet()  # transformers whose hook cache was checked
         self.memo = IdentityMemo()
+        self.grids = GridReader()
         self.calls = {route: 0 for route in Route}
         self.sparse_calls = 0
         self.dense_calls = 0
@@ -388,7 +389,7 @@ class TesseraProcessor(torch.nn.Module):
             self.where = self.counter.next(context, self.branches)
         grid = self.latent_grid
         if grid is None and rotary is not None and self.ulysses is None:
-            grid = self.memo.get(rotary[0], ("grid", seq_video), lambda: grid_from_rotary(rotary, seq_video))
+            grid = self.memo.get(rotary[0], ("grid", seq_video), lambda: self.grids(rotary, seq_video))
         branch, step = self.where
         call = ForwardContext(route.model, grid, step, branch)
         self.last_context[route] = call

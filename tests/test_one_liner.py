@@ -12,7 +12,7 @@ import torch
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15RotaryPosEmbed
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from tessera_diffusers.processors import TesseraProcessor
-from tessera_diffusers.processors.context import grid_from_rotary
+from tessera_diffusers.processors.context import GridReader, grid_from_rotary
 from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, default_sparsifier
 from tessera_diffusers.processors.tiny import (
     hunyuan_video15_prompt_inputs,
@@ -41,6 +41,19 @@ def test_grid_is_read_off_both_models_rotary_tables(grid):
     hv15 = HunyuanVideo15RotaryPosEmbed(1, 1, [16, 56, 56])
     cos_sin = hv15(torch.empty(1, 65, frames, height, width))
     assert grid_from_rotary(cos_sin, frames * height * width) == LatentGrid(*grid)
+
+
+def test_the_grid_reader_follows_every_grid_of_as_many_tokens():
+    # Remembered grids are checked where their axes wrap: a portrait after a landscape video (the
+    # same token count) is read again, never taken for the last one.
+    grids = [(f, h, w) for f in range(1, 7) for h in range(1, 25) for w in range(1, 25) if f * h * w == 144]
+    wan = WanRotaryPosEmbed(128, (1, 2, 2), 1024)
+    hv15 = HunyuanVideo15RotaryPosEmbed(1, 1, [16, 56, 56])
+    for rope, scale in ((wan, 2), (hv15, 1)):
+        reader = GridReader()
+        for grid in grids + grids[::-1]:
+            table = rope(torch.empty(1, 16, grid[0], grid[1] * scale, grid[2] * scale))
+            assert reader(table, 144) == LatentGrid(*grid)
 
 
 def test_grid_reading_survives_a_bf16_table():
