@@ -167,11 +167,14 @@ def wraps_match(table: torch.Tensor, grid: LatentGrid, strides: list[int]) -> bo
     rows = table[torch.tensor([0, *tokens], device=table.device)]
     moved = (rows[1:] != rows[:1]).cpu().tolist()  # one small device read
     half = len(strides)
-    axis_of = {height * width: 0, width: 1, 1: 2}
+    axis_of = {}  # raster stride -> the axis of size > 1 that moves first there
+    for axis, (stride, size) in enumerate(((height * width, frames), (width, height), (1, width))):
+        if size > 1:
+            axis_of.setdefault(stride, axis)
     for token, row in zip(tokens, moved):
         coords = (token // (height * width), (token // width) % height, token % width)
         for channel, stride in enumerate(strides):
-            expected = stride != seq and coords[axis_of[stride]] != 0
+            expected = stride in axis_of and coords[axis_of[stride]] != 0
             if (row[channel] or row[channel + half]) != expected:  # a small angle can leave cos at 1.0
                 return False
     return True

@@ -7,6 +7,8 @@ the grid.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15RotaryPosEmbed
@@ -54,6 +56,22 @@ def test_the_grid_reader_follows_every_grid_of_as_many_tokens():
         for grid in grids + grids[::-1]:
             table = rope(torch.empty(1, 16, grid[0], grid[1] * scale, grid[2] * scale))
             assert reader(table, 144) == LatentGrid(*grid)
+
+
+@pytest.mark.parametrize("grid", GRIDS[:-1], ids=lambda g: "x".join(map(str, g)))
+def test_a_remembered_grid_is_confirmed_without_reading_the_whole_table(grid, monkeypatch):
+    from tessera_diffusers.processors import context
+
+    wan = WanRotaryPosEmbed(128, (1, 2, 2), 1024)
+    table = wan(torch.empty(1, 16, grid[0], 2 * grid[1], 2 * grid[2]))
+    reader = GridReader()
+    reader(table, math.prod(grid))
+
+    def full_read(*args):
+        raise AssertionError("the whole table was read again")
+
+    monkeypatch.setattr(context, "derive_grid", full_read)
+    assert reader(table, math.prod(grid)) == LatentGrid(*grid)
 
 
 def test_grid_reading_survives_a_bf16_table():
