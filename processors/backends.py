@@ -127,6 +127,10 @@ class TesseraBackend:
                 prepared = reused
         return execute(prepared, q, k, v, scale, return_lse)
 
+    def reset_counts(self) -> None:
+        """Zero the counts of ``plan_report`` (the layers' decisions are kept)."""
+        self.plan_counts.clear()
+
     def plan_report(self, keys: Callable[[Hashable], bool] = lambda key: True) -> dict:
         """Prepared plans and reused selections over the cache keys ``keys`` accepts: how many keys
         prepared a plan, how many prepared more than one, and how many of those reused their

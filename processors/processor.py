@@ -287,6 +287,9 @@ class TesseraProcessor(torch.nn.Module):
         self.masks_computed = 0
         if self.timer is not None:
             self.timer.reset()
+        backend = self.backend.inner if isinstance(self.backend, TimedBackend) else self.backend
+        if isinstance(backend, TesseraBackend):
+            backend.reset_counts()
 
     # ------------------------------------------------------------------ the processor call
     @torch.compiler.disable  # masks and plans are data-dependent host decisions: compiled graphs break here
