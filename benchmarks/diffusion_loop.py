@@ -59,7 +59,7 @@ from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, WAN_DEN
 
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
-from tessera_diffusers.sparsifiers import LatentGrid, SSTASparsifier, spade_64, ssta_384, ssta_tuned, tile_layout
+from tessera_diffusers.sparsifiers import LatentGrid, spade_64, ssta_384, ssta_tuned, tile_layout
 
 FULL_STEPS = 50
 FULL_BRANCHES = 2  # classifier-free guidance

@@ -167,10 +167,7 @@ def wraps_match(table: torch.Tensor, grid: LatentGrid, strides: list[int]) -> bo
     rows = table[torch.tensor([0, *tokens], device=table.device)]
     moved = (rows[1:] != rows[:1]).cpu().tolist()  # one small device read
     half = len(strides)
-    axis_of = {}  # raster stride -> the axis of size > 1 that moves first there
-    for axis, (stride, size) in enumerate(((height * width, frames), (width, height), (1, width))):
-        if size > 1:
-            axis_of.setdefault(stride, axis)
+    axis_of = moving_axes(grid)
     for token, row in zip(tokens, moved):
         coords = (token // (height * width), (token // width) % height, token % width)
         for channel, stride in enumerate(strides):
@@ -178,6 +175,17 @@ def wraps_match(table: torch.Tensor, grid: LatentGrid, strides: list[int]) -> bo
             if (row[channel] or row[channel + half]) != expected:  # a small angle can leave cos at 1.0
                 return False
     return True
+
+
+def moving_axes(grid: LatentGrid) -> dict[int, int]:
+    """Raster stride -> the axis (0 frames, 1 height, 2 width) of size > 1 whose channels first move
+    there; axes of size 1 never move and have no entry."""
+    frames, height, width = grid.as_tuple()
+    axes: dict[int, int] = {}
+    for axis, (stride, size) in enumerate(((height * width, frames), (width, height), (1, width))):
+        if size > 1:
+            axes.setdefault(stride, axis)
+    return axes
 
 
 def _shape_of(value: Any) -> str:
@@ -221,14 +229,13 @@ def _table_matches_grid(table: torch.Tensor, strides: list[int], grid: LatentGri
     axis alone (position x stride): the table is a function of the grid coordinates."""
     seq = table.shape[0]
     token = torch.arange(seq, device=table.device)
-    frames, height, width = grid.as_tuple()
-    axis_stride = {0: height * width, 1: width, 2: 1}
-    axis_size = {0: frames, 1: height, 2: width}
+    axis_size = grid.as_tuple()
+    axis_of = moving_axes(grid)
     half = table.shape[1] // 2
     for channel_stride in set(strides):
         if channel_stride == seq:
             continue
-        axis = next((a for a, s in axis_stride.items() if s == channel_stride and axis_size[a] > 1), None)
+        axis = axis_of.get(channel_stride)
         if axis is None:
             return False
         channels = torch.tensor([c for c, s in enumerate(strides) if s == channel_stride], device=table.device)

@@ -27,6 +27,7 @@ both after ``DEFAULT_WARMUP_STEPS`` dense steps. Masks are recomputed every step
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import warnings
@@ -287,9 +288,8 @@ class TesseraProcessor(torch.nn.Module):
         self.masks_computed = 0
         if self.timer is not None:
             self.timer.reset()
-        backend = self.backend.inner if isinstance(self.backend, TimedBackend) else self.backend
-        if isinstance(backend, TesseraBackend):
-            backend.reset_counts()
+        if self.tessera_backend is not None:
+            self.tessera_backend.reset_counts()
 
     # ------------------------------------------------------------------ the processor call
     @torch.compiler.disable  # masks and plans are data-dependent host decisions: compiled graphs break here
@@ -530,11 +530,7 @@ class TesseraProcessor(torch.nn.Module):
         """Full attention without a mask tensor for ``q, k, v [B, S, H, D]`` (the dense decisions of
         a sparsifier), through diffusers' dispatcher and the backend set with
         ``set_attention_backend`` (if any)."""
-        if self.timer is None:
-            return dispatch_attention_fn(
-                q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
-            )
-        with self.timer.span(q.device):
+        with contextlib.nullcontext() if self.timer is None else self.timer.span(q.device):
             return dispatch_attention_fn(
                 q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
             )
@@ -568,14 +564,19 @@ class TesseraProcessor(torch.nn.Module):
             "masks_computed": self.masks_computed,
             "mean_mask_density": density,
         }
-        backend = self.backend.inner if isinstance(self.backend, TimedBackend) else self.backend
-        if isinstance(backend, TesseraBackend):
-            report["plans"] = backend.plan_report(keys=lambda key: isinstance(key, tuple) and key[:1] != ("dense",))
+        if self.tessera_backend is not None:
+            report["plans"] = self.tessera_backend.plan_report(keys=lambda key: isinstance(key, tuple) and key[:1] != ("dense",))
         if self.timer is not None:
             report["attention_ms"] = self.timer.total_ms()
             report["attention_calls"] = self.timer.calls
         report["cache"] = self.cache.report()
         return report
+
+    @property
+    def tessera_backend(self) -> TesseraBackend | None:
+        """The ``TesseraBackend`` behind ``backend`` (timed or not), or None for another backend."""
+        backend = self.backend.inner if isinstance(self.backend, TimedBackend) else self.backend
+        return backend if isinstance(backend, TesseraBackend) else None
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:

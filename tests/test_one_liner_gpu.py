@@ -19,20 +19,25 @@ pytestmark = pytest.mark.gpu
 STEPS = 3
 
 
+def on_gpu(model: torch.nn.Module, inputs: dict) -> tuple[torch.nn.Module, dict]:
+    """The model and its inputs in bf16 on the GPU."""
+    return model.to("cuda", torch.bfloat16).eval(), {k: v.to("cuda", torch.bfloat16) for k, v in inputs.items()}
+
+
 def wan_model() -> tuple[torch.nn.Module, dict]:
     torch.manual_seed(0)
     model = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=128, in_channels=16, out_channels=16,
         text_dim=64, freq_dim=256, ffn_dim=256, num_layers=2, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
-    ).to("cuda", torch.bfloat16).eval()
+    )
     gen = torch.Generator().manual_seed(1)
     inputs = {
         "hidden_states": torch.randn(1, 16, 4, 64, 64, generator=gen),  # 4 x 32 x 32 = 4,096 tokens
         "timestep": torch.tensor([500.0]),
         "encoder_hidden_states": torch.randn(1, 32, 64, generator=gen),
     }
-    return model, {k: v.to("cuda", torch.bfloat16) for k, v in inputs.items()}
+    return on_gpu(model, inputs)
 
 
 def hv15_model() -> tuple[torch.nn.Module, dict]:
@@ -41,7 +46,7 @@ def hv15_model() -> tuple[torch.nn.Module, dict]:
         in_channels=16, out_channels=16, num_attention_heads=4, attention_head_dim=128, num_layers=2,
         num_refiner_layers=1, mlp_ratio=1.0, patch_size=1, patch_size_t=1, text_embed_dim=64,
         text_embed_2_dim=32, image_embed_dim=48, rope_axes_dim=(16, 56, 56), target_size=64, task_type="t2v",
-    ).to("cuda", torch.bfloat16).eval()
+    )
     gen = torch.Generator().manual_seed(1)
     inputs = {
         "hidden_states": torch.randn(1, 16, 12, 64, 64, generator=gen),  # 12 x 64 x 64 = 49,152 tokens
@@ -52,7 +57,7 @@ def hv15_model() -> tuple[torch.nn.Module, dict]:
         "encoder_attention_mask_2": torch.ones(1, 8),
         "image_embeds": torch.zeros(1, 9, 48),
     }
-    return model, {k: v.to("cuda", torch.bfloat16) for k, v in inputs.items()}
+    return on_gpu(model, inputs)
 
 
 def steps(model, inputs) -> list[torch.Tensor]:

@@ -123,7 +123,7 @@ class AdaptiveSparsifier:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, step: int, grid: LatentGrid) -> LogicalMask:
         """``q, k [B, S, H, D]`` in layout order -> mask over (S, S) at the chosen geometry."""
         decision, scores = self.decide(q, k, grid)
-        batch, heads, n_b, _ = scores.shape
+        _, heads, n_b, _ = scores.shape
         keep = torch.ceil(decision.density * n_b).clamp(1, n_b)  # [B, H]
         widest = min(n_b, math.ceil(self.max_density * n_b))  # no row keeps more: a static top-k width
         active = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
