@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Hashable
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -159,7 +159,7 @@ class AttentionTimer:
         self.calls = 0
 
     @contextlib.contextmanager
-    def span(self, device: torch.device):
+    def span(self, device: torch.device) -> Iterator[None]:
         self.calls += 1
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -189,12 +189,24 @@ class TimedBackend:
     def __init__(self, inner: SparseAttentionBackend, timer: AttentionTimer):
         self.inner, self.timer, self.name = inner, timer, inner.name
 
-    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False, part=None):
-        kwargs = {} if part is None else {"part": part}
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: LogicalMask,
+        *,
+        slot: CacheSlot,
+        cache: StepCache,
+        return_lse: bool = False,
+        part: Hashable = None,
+    ) -> AttentionResult:
+        """The inner backend's ``attention`` (``q [B, Sq, H, D]``, ``k, v [B, Skv, H, D]``), timed."""
+        kwargs = {} if part is None else {"part": part}  # backends without head parts take no ``part``
         with self.timer.span(q.device):
             return self.inner.attention(q, k, v, mask, slot=slot, cache=cache, return_lse=return_lse, **kwargs)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
