@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from tessera_diffusers import LogicalMask, build_mask_state
+from tessera_diffusers.catalog import all_kernels
 from tessera_diffusers.corpus import CaseSpec
 from tessera_diffusers.corpus.grids import grid_named
 from tessera_diffusers.mask_state import MaskState
@@ -49,6 +50,9 @@ from tessera_diffusers.plan_table import load_plan_table
 from tessera_diffusers.plans import DTYPE_NAMES, PhysicalPlan, QLayout, Request
 from tessera_diffusers.profile.records import read_records, request_from_dict, timing_method
 from tessera_diffusers.selector import AUTO, Selector
+
+# The records were timed on the native catalog: judge the choices among its plans on any machine.
+NATIVE = all_kernels()
 
 
 def load_cases(path: Path) -> dict[str, dict]:
@@ -230,14 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"records: no file {missing[0]}")
 
     if args.table is None or args.table == [AUTO]:
-        selectors = {"table": Selector(table=AUTO)}
+        selectors = {"table": Selector(table=AUTO, kernels=NATIVE)}
     elif len(args.table) == 1:
-        selectors = {"table": Selector(table=load_plan_table(Path(args.table[0])))}
+        selectors = {"table": Selector(table=load_plan_table(Path(args.table[0])), kernels=NATIVE)}
     else:
-        selectors = {f"table {Path(t).name}": Selector(table=load_plan_table(Path(t))) for t in args.table}
+        selectors = {f"table {Path(t).name}": Selector(table=load_plan_table(Path(t)), kernels=NATIVE)
+                     for t in args.table}
         if len(selectors) < len(args.table):
             parser.error("give tables with different file names")
-    selectors["cost model"] = Selector(table=None)
+    selectors["cost model"] = Selector(table=None, kernels=NATIVE)
     rows, regrets = [], {name: [] for name in selectors}
     splits: dict[str, list[tuple[float, float]]] = {name: [] for name in selectors}
     runs = [load_cases(path) for path in args.records]
