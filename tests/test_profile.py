@@ -372,9 +372,10 @@ def test_grouping_sources_count_only_for_cases_that_timed_grouped_plans(tmp_path
     assert (profile.kernel_sources, profile.grouping_sources) == ((attention,), (grouping,))
 
 
-def test_a_later_records_file_supersedes_a_key_whole(tmp_path):
-    """Compiling [old, new]: a key the new file profiles takes its cases from it alone (its old cases,
-    and their times, are set aside and the report says so); a key only the old file holds keeps them."""
+def test_a_later_records_file_supersedes_a_key_bucket_whole(tmp_path):
+    """Compiling [old, new]: a key and bucket the new file profiles takes its cases from it alone (its
+    old cases, and their times, are set aside and the report says so); a key only the old file holds
+    keeps them, and so does a bucket of the same key that the new file does not profile."""
     def split_wins(trial: Trial) -> Measured:  # the opposite answer to ``injected``
         return Measured(Timing((1.0 if trial.plan.tasks.num_splits > 1 else 3.0,), "injected"))
 
@@ -389,8 +390,8 @@ def test_a_later_records_file_supersedes_a_key_whole(tmp_path):
         by_key.setdefault(case.request.key, []).append(case)
     assert len(by_key["cpu/Q32K16/d64/bf16/bshd"]) == 1 and len(by_key["cpu/Q64K64/d64/bf16/bshd"]) == 2
     (note,) = [n for n in profile.notes if "supersede" in n]
-    assert note == (f"cpu/Q32K16/d64/bf16/bshd: its 1 cases of new/{RECORDS_FILE} supersede the earlier profile "
-                    f"(2 cases of old/{RECORDS_FILE})")
+    assert note == (f"cpu/Q32K16/d64/bf16/bshd bh1-8/s1-4096: its 1 cases of new/{RECORDS_FILE} supersede the "
+                    f"earlier profile (2 cases of old/{RECORDS_FILE})")
     table, _ = compile_table(profile)
     first = {key: next(iter(table.keys[key].buckets.values())).regimes[0].ranking[0].plan
              for key in ("cpu/Q32K16/d64/bf16/bshd", "cpu/Q64K64/d64/bf16/bshd")}
@@ -399,3 +400,11 @@ def test_a_later_records_file_supersedes_a_key_whole(tmp_path):
     # The other order: the old file is now the later one for every key.
     assert all(len([c for c in load_profile([new / RECORDS_FILE, old / RECORDS_FILE]).cases
                     if c.request.key == key]) == 2 for key in first)
+    # A third file profiles the same key at more heads (another bucket): both buckets keep their cases.
+    more = tmp_path / "more"
+    run_profile(smoke_config(more, families=("Q32K16",), sources=("sliding_tile",), heads=12, progress=False,
+                             interleave=False), measure=injected, log=lambda m: None)
+    profile = load_profile([old / RECORDS_FILE, new / RECORDS_FILE, more / RECORDS_FILE])
+    heads = sorted(c.request.heads for c in profile.cases if c.request.key == "cpu/Q32K16/d64/bf16/bshd")
+    assert heads == [2, 12]
+    assert sorted(compile_table(profile)[0].keys["cpu/Q32K16/d64/bf16/bshd"].buckets) == [(0, 0), (1, 0)]

@@ -59,6 +59,7 @@ from ..mask_state import NUM_STATS
 from ..plan_table import (
     CONTENDER_REGRET,
     STAT_NAMES,
+    Buckets,
     BucketTable,
     FeatureSchema,
     KeyTable,
@@ -213,10 +214,11 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
     """Complete cases of the records files (``records.py``) for one architecture. Raises
     ``PlanTableError`` when there is nothing to compile or the architecture is ambiguous.
 
-    A request key whose cases appear in several files takes them from the last of those files
-    only: a re-profile supersedes the earlier profile of that key, whole. Times of different runs
-    (another session's clocks, another library's kernels) do not compare, so one key's ranking is
-    never learned from a mix of them; keys a later file does not profile keep their earlier cases.
+    A request key whose cases of one size bucket appear in several files takes them from the last
+    of those files only: a re-profile supersedes the earlier profile of that key and bucket, whole.
+    Times of different runs (another session's clocks, another library's kernels) do not compare,
+    so one bucket's ranking is never learned from a mix of them; buckets a later file does not
+    profile keep their earlier cases.
     Within one file (a run and its resumptions) a case's last record wins."""
     paths = list(paths)
     skipped: list = []
@@ -310,16 +312,20 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
                    tuple(sorted(profiled_sources)), tuple(sorted(grouping_sources)))
 
 
-def latest_profile_per_key(case_records: Mapping[tuple[int, str], dict],
-                           paths: Sequence[Path]) -> tuple[dict[tuple[int, str], dict], list[str]]:
-    """Of the case records by (file index, case name), those from each request key's last file, and
-    a note per key whose cases in earlier files were set aside (``load_profile``)."""
-    keys = {at: request_from_dict(record["request"]).key for at, record in case_records.items()}
-    last: dict[str, int] = {}
+def latest_profile_per_key(case_records: Mapping[tuple[int, str], dict], paths: Sequence[Path],
+                           buckets: Buckets = Buckets()) -> tuple[dict[tuple[int, str], dict], list[str]]:
+    """Of the case records by (file index, case name), those from each (request key, size bucket)'s
+    last file, and a note per key and bucket whose cases in earlier files were set aside
+    (``load_profile``)."""
+    keys = {}
+    for at, record in case_records.items():
+        request = request_from_dict(record["request"])
+        keys[at] = (request.key, buckets.label(buckets.of(request)))
+    last: dict[tuple[str, str], int] = {}
     for (index, _), key in keys.items():
         last[key] = max(index, last.get(key, -1))
     kept = {at: record for at, record in case_records.items() if at[0] == last[keys[at]]}
-    dropped: dict[str, Counter] = defaultdict(Counter)
+    dropped: dict[tuple[str, str], Counter] = defaultdict(Counter)
     for at, key in keys.items():
         if at not in kept:
             dropped[key][at[0]] += 1
@@ -331,7 +337,8 @@ def latest_profile_per_key(case_records: Mapping[tuple[int, str], dict],
     for key, files in sorted(dropped.items()):
         later = sum(1 for at in kept if keys[at] == key)
         earlier = ", ".join(f"{n} cases of {named(i)}" for i, n in sorted(files.items()))
-        notes.append(f"{key}: its {later} cases of {named(last[key])} supersede the earlier profile ({earlier})")
+        notes.append(f"{key[0]} {key[1]}: its {later} cases of {named(last[key])} supersede the earlier profile "
+                     f"({earlier})")
     return kept, notes
 
 
