@@ -12,6 +12,8 @@ import torch
 
 from tessera_diffusers import LogicalMask
 from tessera_diffusers.corpus import (
+    DEFAULTS_FAMILIES,
+    DEFAULTS_SOURCE,
     FAMILIES,
     HV_720P,
     NINE_FAMILIES,
@@ -117,6 +119,25 @@ def test_ssta_window_is_always_active() -> None:
     diagonal = blocks[:, torch.arange(n_video), torch.arange(n_video)]
     assert bool(diagonal.all()), "every tile sees itself (the centre of its window)"
     assert bool(blocks[:, n_video:, :].all()) and bool(blocks[:, :, n_video:].all()), "text dense"
+
+
+@pytest.mark.parametrize("family", DEFAULTS_FAMILIES, ids=lambda f: f.name)
+def test_defaults_families_are_the_default_sparsifiers_masks_at_model_sizes(family) -> None:
+    """The defaults' masks over each model grid's video tokens: one 384-token block per query and
+    key block, every block sees itself (its tile window), density searched up to the case's target."""
+    assert family not in FAMILIES and family.sources == (DEFAULTS_SOURCE,)
+    for grid in family.grids:
+        case = CaseSpec(family.name, DEFAULTS_SOURCE, grid, 2, 3)
+        mask = case.build()
+        n = math.ceil(grid.video_tokens / 384)
+        assert grid.text_tokens == 0 and mask.seq_len_q == mask.seq_len_kv == grid.video_tokens
+        assert tuple(mask.blocks.shape) == (1, 2, n, n) and (mask.block_q, mask.block_kv) == (384, 384)
+        assert bool(mask.blocks[0][:, torch.arange(n), torch.arange(n)].all()), "each block sees its own tile"
+        density = mask.density()
+        assert family.contains(density), f"{case.name}: density {density:.4f}"
+        assert case.target_density() - 1e-3 <= density <= case.target_density() + 0.03, case.name
+    with pytest.raises(ValueError, match="tessera_default builds"):
+        CaseSpec("Q384K384-H", DEFAULTS_SOURCE, HV_720P, 2, 0).build()  # text tokens: not its layout
 
 
 def test_token_layouts() -> None:

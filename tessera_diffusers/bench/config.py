@@ -8,7 +8,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from ..corpus import BENCH_32K, FAMILIES, HV_720P, WAN_720P, LatentGrid, family_named, split_seeds
+from ..corpus import (
+    BENCH_32K,
+    FAMILIES,
+    HV_480P,
+    HV_480P_VIDEO,
+    HV_720P,
+    HV_720P_VIDEO,
+    WAN_480P,
+    WAN_720P,
+    LatentGrid,
+    family_named,
+    split_seeds,
+)
 from ..corpus.cases import CaseSpec
 from ..errors import InvalidArgumentError
 
@@ -46,7 +58,20 @@ SIZE_PROFILES: Mapping[str, SizeProfile] = MappingProxyType({
         "Wan2.1 720p N=75,600, H=40 (Q384K384: HunyuanVideo-1.5 720p, N=140,225, H=16)",
     ),
     "smoke": SizeProfile("smoke", SMOKE_GRID, 2, SMOKE_TILED_GRID, 2, "CPU smoke: N=1,024 (Q384K384: N=6,144), H=2"),
+    # The sparse calls of the two models as the one-liner makes them (video tokens only), for the
+    # defaults' families (corpus.DEFAULTS_FAMILIES) and any frame-major family.
+    **{name: SizeProfile(name, grid, heads, tiled, 16, f"{model} {res}: N={grid.video_tokens:,}, H={heads}")
+       for name, model, res, grid, heads, tiled in (
+           ("wan14b-720p", "Wan2.1-14B", "720p", WAN_720P, 40, HV_720P),
+           ("wan14b-480p", "Wan2.1-14B", "480p", WAN_480P, 40, HV_480P),
+           ("wan1.3b-720p", "Wan2.1-1.3B", "720p", WAN_720P, 12, HV_720P),
+           ("wan1.3b-480p", "Wan2.1-1.3B", "480p", WAN_480P, 12, HV_480P),
+           ("hv15-720p", "HunyuanVideo-1.5", "720p", HV_720P_VIDEO, 16, HV_720P),
+           ("hv15-480p", "HunyuanVideo-1.5", "480p", HV_480P_VIDEO, 16, HV_480P),
+       )},
 })
+# The sizes the one-liner runs on both models (the plan table's model buckets).
+MODEL_SIZES: tuple[str, ...] = ("wan14b-720p", "wan14b-480p", "wan1.3b-720p", "wan1.3b-480p", "hv15-720p", "hv15-480p")
 
 ALL_FAMILIES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 SMOKE_FAMILIES: tuple[str, ...] = ("Q32K16", "Q64K64", "Q384K384")

@@ -11,7 +11,18 @@ import math
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
-from .grids import BENCH_32K, GRIDS, HV_480P, HV_720P, LatentGrid, TokenLayout
+from .grids import (
+    BENCH_32K,
+    GRIDS,
+    HV_480P,
+    HV_480P_VIDEO,
+    HV_720P,
+    HV_720P_VIDEO,
+    WAN_480P,
+    WAN_720P,
+    LatentGrid,
+    TokenLayout,
+)
 
 # Sources that imitate frame-major video sparsifiers (every family but Q384K384).
 VIDEO_SOURCES: tuple[str, ...] = (
@@ -23,7 +34,9 @@ VIDEO_SOURCES: tuple[str, ...] = (
 )
 # HunyuanVideo-1.5's own scheme (SSTA): tiled token order, 3x3x3 tile window OR per-head top-k.
 SSTA_SOURCE = "ssta"
-ALL_SOURCES: tuple[str, ...] = VIDEO_SOURCES + (SSTA_SOURCE,)
+# The product's own default sparsifiers (SSTA-style 6x8x8 tiles) on synthetic activations.
+DEFAULTS_SOURCE = "tessera_default"
+ALL_SOURCES: tuple[str, ...] = VIDEO_SOURCES + (SSTA_SOURCE, DEFAULTS_SOURCE)
 
 # Blocks that are dense whatever the budget (text rows and columns) may take at most this share of a
 # family's lowest density; grids where they would take more are not fed to that family.
@@ -126,10 +139,20 @@ FAMILIES: tuple[MaskFamily, ...] = (
 )
 NINE_FAMILIES: tuple[str, ...] = tuple(f.name for f in FAMILIES if not f.tiled)
 
+# The masks the one-liner's defaults make, as the runtime receives them: Q384K384 blocks over the
+# video tokens in the sparsifier's tile order (frame-major here: the block grid is what counts).
+# Wan2.1's tuned 1x3x3 window near 10%; HunyuanVideo-1.5's 3x3x3 window, 20% at 720p and about 45%
+# at 480p. Kept out of FAMILIES (the default enumeration and the ten-family bench); the plan-table
+# profile of the model sizes names them.
+DEFAULTS_FAMILIES: tuple[MaskFamily, ...] = (
+    MaskFamily("Q384K384-W", 384, 384, 0.06, 0.16, (DEFAULTS_SOURCE,), (WAN_720P, WAN_480P)),
+    MaskFamily("Q384K384-H", 384, 384, 0.12, 0.50, (DEFAULTS_SOURCE,), (HV_720P_VIDEO, HV_480P_VIDEO)),
+)
+
 
 def family_named(name: str) -> MaskFamily:
-    """A family of ``FAMILIES`` by name (e.g. ``"Q64K64-HD"``)."""
-    for family in FAMILIES:
+    """A family of ``FAMILIES`` or ``DEFAULTS_FAMILIES`` by name (e.g. ``"Q64K64-HD"``)."""
+    for family in FAMILIES + DEFAULTS_FAMILIES:
         if family.name == name:
             return family
-    raise InvalidArgumentError("family", f"one of {[f.name for f in FAMILIES]}", repr(name))
+    raise InvalidArgumentError("family", f"one of {[f.name for f in FAMILIES + DEFAULTS_FAMILIES]}", repr(name))

@@ -90,14 +90,19 @@ HV_480P = LatentGrid("hv480p", 31, 30, 53, 1985, 16)  # HunyuanVideo-1.5, 848x48
 BENCH_32K = LatentGrid("bench32k", 16, 32, 64, 0, 24)  # 32,768 tokens: the benchmark protocol's N
 
 GRIDS: tuple[LatentGrid, ...] = (WAN_720P, WAN_480P, HV_720P, HV_480P, BENCH_32K)
+# HunyuanVideo-1.5's sparse call as the processor makes it: video tokens only (text stays dense
+# beside it). Not in GRIDS: only the defaults' families (families.DEFAULTS_FAMILIES) use them.
+HV_720P_VIDEO = LatentGrid("hv720p-video", 31, 45, 80, 0, 16)  # 111,600 tokens
+HV_480P_VIDEO = LatentGrid("hv480p-video", 31, 30, 53, 0, 16)  # 49,290 tokens
+VIDEO_ONLY_GRIDS: tuple[LatentGrid, ...] = (HV_720P_VIDEO, HV_480P_VIDEO)
 
 
 def grid_named(name: str) -> LatentGrid:
-    """One of ``GRIDS`` by name."""
-    for grid in GRIDS:
+    """One of ``GRIDS`` or ``VIDEO_ONLY_GRIDS`` by name."""
+    for grid in GRIDS + VIDEO_ONLY_GRIDS:
         if grid.name == name:
             return grid
-    raise InvalidArgumentError("grid", f"one of {[g.name for g in GRIDS]}", repr(name))
+    raise InvalidArgumentError("grid", f"one of {[g.name for g in GRIDS + VIDEO_ONLY_GRIDS]}", repr(name))
 
 
 @dataclass(frozen=True)

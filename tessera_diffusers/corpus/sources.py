@@ -17,6 +17,9 @@ Sources:
     text_sink           local window plus sink / register columns (and dense text blocks)
     ssta                HunyuanVideo-1.5's native scheme on 6x8x8 tiles: clamped 3x3x3 tile window
                         OR per-head top-k tiles by pooled-Q/K importance, text dense
+    tessera_default     the product's default sparsifiers themselves (``ssta_tuned`` on Wan2.1 grids,
+                        ``ssta_384``'s window on HunyuanVideo-1.5's) on smooth synthetic Q/K, top-k
+                        set from the case's density
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from types import MappingProxyType
 import torch
 
 from .families import MaskFamily
+from ..sparsifiers import SSTASparsifier
+from ..sparsifiers.base import LatentGrid as TokenGrid
+from ..sparsifiers.ssta import window_size
 from .fields import cosine, draw_field, draw_projections, kmeans, pool_blocks, token_features
 from .grids import BlockBoxes, TokenLayout, box_distances
 from .selection import hash_jitter, select_blocks
@@ -307,6 +313,47 @@ def ssta(ctx: SourceContext) -> torch.Tensor:
     return stack_heads(ctx, head)
 
 
+# Tile windows of the defaults per family: Wan2.1's tuned setting, HunyuanVideo-1.5's native one.
+DEFAULT_WINDOWS = {"Q384K384-W": (1, 3, 3), "Q384K384-H": (3, 3, 3)}
+DEFAULT_TILE = (6, 8, 8)
+
+
+def tessera_default(ctx: SourceContext) -> torch.Tensor:
+    """The default sparsifier of the family's model (tile window OR top-k tiles by pooled Q/K, the
+    product's own code) on Q/K drawn as per-head projections of the scene's smooth field. Top-k is
+    the same for every head, as in the product, and is searched for the case's block density."""
+    grid = ctx.layout.grid
+    if ctx.layout.tiled or grid.text_tokens or ctx.family.name not in DEFAULT_WINDOWS:
+        raise ValueError(f"tessera_default builds {sorted(DEFAULT_WINDOWS)} on text-free frame-major "
+                         f"layouts, not {ctx.family.name} on {ctx.layout.name}")
+    window = DEFAULT_WINDOWS[ctx.family.name]
+    token_grid = TokenGrid(grid.frames, grid.height, grid.width)
+    feats = token_features(ctx.layout, draw_field(ctx.scene), ctx.device)  # [S, C], raster order
+    wq, wk = draw_projections(ctx.scene, ctx.heads)
+    q = torch.einsum("sc,hcd->shd", feats, wq.to(ctx.device)).float().unsqueeze(0)
+    k = torch.einsum("sc,hcd->shd", feats, wk.to(ctx.device)).float().unsqueeze(0)
+
+    def blocks_at(top_k: int) -> torch.Tensor:
+        sparsifier = SSTASparsifier(tile=DEFAULT_TILE, window=window, top_k=top_k, halve_top_k_at_frames=0)
+        layout = sparsifier.layout(token_grid)
+        return sparsifier(layout.to_layout(q), layout.to_layout(k), layer=0, step=0, grid=token_grid).blocks[0]
+
+    target = sum(ctx.budgets) / (ctx.heads * ctx.n_q * ctx.n_kv)
+    layout = SSTASparsifier(tile=DEFAULT_TILE, window=window).layout(token_grid)
+    lo, hi = 0, layout.num_tiles - window_size(layout, window)
+    while lo < hi:  # the smallest top-k whose block density reaches the target
+        mid = (lo + hi) // 2
+        if float(blocks_at(mid).float().mean()) < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    blocks = blocks_at(lo)
+    if blocks.shape != (ctx.heads, ctx.n_q, ctx.n_kv):
+        raise ValueError(f"the sparsifier made {tuple(blocks.shape)} blocks, the family expects "
+                         f"{(ctx.heads, ctx.n_q, ctx.n_kv)}")
+    return blocks
+
+
 SOURCES: Mapping[str, SourceFn] = MappingProxyType({
     "sliding_tile": sliding_tile,
     "temporal_heads": temporal_heads,
@@ -314,4 +361,5 @@ SOURCES: Mapping[str, SourceFn] = MappingProxyType({
     "clustered_permuted": clustered_permuted,
     "text_sink": text_sink,
     "ssta": ssta,
+    "tessera_default": tessera_default,
 })

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..bench.config import ALL_FAMILIES, SIZE_PROFILES
 from ..corpus import CaseSpec, family_named, split_seeds
+from ..corpus.families import DEFAULTS_FAMILIES
 from ..errors import InvalidArgumentError
 from .records import method_name
 
@@ -131,8 +132,8 @@ class ProfileConfig:
             for name in self.families:
                 family = family_named(name)
                 grid, heads = profile.grid_for(name)
-                if not family.feasible(grid):
-                    continue
+                if not family.feasible(grid) or (family in DEFAULTS_FAMILIES and grid not in family.grids):
+                    continue  # the defaults' families hold their own models' grids only
                 for source in family.sources:
                     if self.sources is None or source in self.sources:
                         combos.append((size, name, source, grid, self.heads or heads))
