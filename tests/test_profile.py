@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from tessera_diffusers import build_mask_state
+from tessera_diffusers.bench.config import MODEL_SIZES
 from tessera_diffusers.bench.timing import INTERLEAVED_WARM_LAUNCHES, Timing
-from tessera_diffusers.corpus import CaseSpec
+from tessera_diffusers.corpus import DEFAULTS_FAMILIES, CaseSpec
 from tessera_diffusers.errors import InvalidArgumentError
-from tessera_diffusers.plan_table import load_plan_table, tile_group
+from tessera_diffusers.plan_table import load_plan_table, shipped_table_path, tile_group
 from tessera_diffusers.plans import Request
 from tessera_diffusers.profile import cli
 from tessera_diffusers.profile import runner as runner_module
@@ -227,6 +228,25 @@ def test_profile_config_lists_cases_rank_major():
     assert cases[0][1].seed != cases[4][1].seed and cases[0][1].source == cases[4][1].source
     with pytest.raises(Exception, match="sizes"):
         ProfileConfig(out_dir=".", sizes=("huge",))
+
+
+def test_model_sizes_profile_the_defaults_masks_into_buckets_the_shipped_table_has():
+    """The one-liner's sparse calls (both models, both resolutions, both Wan2.1 sizes) are profiled on
+    their own model's masks only, and each lands in a bucket of the shipped sm90 table: a profiled
+    regime, not the key's base plan."""
+    config = ProfileConfig(out_dir=".", sizes=MODEL_SIZES, families=tuple(f.name for f in DEFAULTS_FAMILIES),
+                           cases_per_combo=1)
+    cases = config.cases()
+    assert [(size, case.family) for size, case in cases] == [
+        (size, "Q384K384-H" if size.startswith("hv") else "Q384K384-W") for size in MODEL_SIZES]
+    assert {case.heads for _, case in cases} == {40, 12, 16}
+    table = load_plan_table(shipped_table_path("sm90"))
+    for size, case in cases:
+        seq = case.grid.video_tokens
+        request = Request(batch=1, heads=case.heads, seq_len_q=seq, seq_len_kv=seq, head_dim=128, dtype="bf16",
+                          block_q=384, block_kv=384, arch="sm90", return_lse=False)
+        lookup = table.lookup(request)
+        assert lookup.bucket is not None and lookup.note == "regime lookup", f"{size}: {lookup.note}"
 
 
 def test_a_device_error_stops_the_run_after_recording_it(tmp_path):
