@@ -17,12 +17,15 @@ from functools import cache, lru_cache
 import torch
 
 from .catalog import kernel_spec_from_row
-from .errors import CatalogError, InvalidArgumentError, NativeKernelError
+from .errors import CatalogError, InvalidArgumentError, NativeKernelError, describe_tensor
 from .kernel_table import all_rows
-from .plans import Family, KernelSpec, PhysicalPlan
+from .plans import MEMBERSHIP_BITS, Family, KernelSpec, PhysicalPlan
 from .prepare import PreparedPlan, WorkspaceLayout
 
 LIBRARY_FILE = "libtessera_kernels.so"
+# The C entry points the package calls (csrc/kernels/library.cu).
+ENTRY_POINTS = ("tessera_abi_version", "tessera_num_kernels", "tessera_kernel_name", "tessera_error_string",
+                "tessera_attention_forward", "tessera_split_merge")
 ABI_VERSION = 5
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
@@ -119,6 +122,10 @@ def load_library() -> NativeLibrary:
         handle = ctypes.CDLL(path)
     except OSError as err:
         raise CatalogError(f"cannot load {path}: {err}") from err
+    missing = [name for name in ENTRY_POINTS if not hasattr(handle, name)]
+    if missing:
+        raise CatalogError(f"{path} is not a Tessera kernel library (no {missing[0]}); unset TESSERA_NATIVE_LIB "
+                           "or point it at a build of csrc/build_native.py")
     handle.tessera_kernel_name.restype = ctypes.c_char_p
     handle.tessera_error_string.restype = ctypes.c_char_p
     handle.tessera_attention_forward.argtypes = [ctypes.c_int, ctypes.POINTER(TesseraAttnParams), ctypes.c_void_p]
@@ -199,12 +206,92 @@ def sparse_attention_fwd(
 
     ``kernel`` is a catalog kernel name; ``config = [num_q_tiles, capacity, slots, q_unit_log2,
     kv_unit_log2, num_splits, persistent]`` (see ``PreparedPlan.launch_config``); ``q_units``: the
-    grouped query layout's units (``PreparedPlan.q_units``), None for the natural layout."""
+    grouped query layout's units (``PreparedPlan.q_units``), None for the natural layout.
+
+    Shapes, dtypes, devices and the config are checked against each other and the kernel's limits
+    (``check_launch``); the metadata's values are trusted: build them with ``prepare``."""
+    spec = kernel_spec_named(kernel)
+    check_launch(q, k, v, spec, (tile_counts, tile_slots, tile_member, q_order, q_units), config)
     q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
     out, lse, workspace, _ = output_buffers(q, config[5], True)
     launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, out, lse, workspace,
            q_units)
     return out, lse
+
+
+@cache
+def kernel_spec_named(name: str) -> KernelSpec:
+    """The catalog's ``KernelSpec`` of a kernel name (``InvalidArgumentError`` for an unknown one)."""
+    row = next((row for row in all_rows() if row.name == name), None)
+    if row is None:
+        raise InvalidArgumentError("kernel", "a kernel name of the catalog", repr(name))
+    return kernel_spec_from_row(row)
+
+
+METADATA_DTYPES = (("tile_counts", torch.int32), ("tile_slots", torch.int32), ("tile_member", torch.int64),
+                   ("q_order", torch.int32), ("q_units", torch.int32))
+MIN_UNIT = 16  # the smallest query unit and KV slot (blocks and tiles are multiples of 16)
+
+
+def check_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: KernelSpec,
+                 metadata: tuple[torch.Tensor | None, ...], config: list[int]) -> None:
+    """Refuse, before any launch, a call whose tensors the kernel would read past: q ``[B, Sq, H, D]``
+    and k, v ``[B, Skv, H, D]`` of the kernel's dtype and head_dim on one CUDA device, and metadata
+    ``(tile_counts, tile_slots, tile_member, q_order, q_units)`` shaped as ``config`` (see
+    ``sparse_attention_fwd``) says for this q, within the kernel's slot and membership limits."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise InvalidArgumentError(name, "a 4-D tensor [B, S, H, D]", describe_tensor(t))
+        if t.dtype != spec.torch_dtype or t.shape[-1] != spec.head_dim:
+            raise InvalidArgumentError(name, f"dtype {spec.dtype} and head_dim {spec.head_dim} for {spec.name}",
+                                       f"{t.dtype}, head_dim {t.shape[-1]}")
+        if t.device != q.device:
+            raise InvalidArgumentError(name, f"a tensor on {q.device} (the device of q)", str(t.device))
+        if t.stride(-1) != 1:
+            raise InvalidArgumentError(name, "a contiguous last dim (stride 1)", f"strides {tuple(t.stride())}")
+    if k.shape != v.shape:
+        raise InvalidArgumentError("v", f"the shape of k {tuple(k.shape)}", tuple(v.shape))
+    batch, seq_q, heads, _ = q.shape
+    if (k.shape[0], k.shape[2]) != (batch, heads):
+        raise InvalidArgumentError("k", f"batch {batch} and heads {heads} (those of q)", tuple(k.shape))
+    if len(config) != 7 or not all(isinstance(c, int) for c in config):
+        raise InvalidArgumentError("config", "7 ints [num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, "
+                                   "num_splits, persistent]", repr(config))
+    num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, persistent = config
+    if not (MIN_UNIT.bit_length() - 1 <= kv_unit_log2 < 16 and (1 << kv_unit_log2) * slots == spec.tile_kv):
+        raise InvalidArgumentError("config", f"slots x 2^kv_unit_log2 = tile_kv {spec.tile_kv} with a KV unit of at "
+                                   f"least {MIN_UNIT} tokens", f"slots {slots}, kv_unit_log2 {kv_unit_log2}")
+    q_unit = 1 << q_unit_log2 if 0 <= q_unit_log2 < 16 else 0
+    if q_unit < MIN_UNIT or spec.tile_q % q_unit or (spec.tile_q // q_unit) * slots > MEMBERSHIP_BITS:
+        raise InvalidArgumentError("config", f"a query unit dividing tile_q {spec.tile_q}, at least {MIN_UNIT} rows, "
+                                   f"with (tile_q / q_unit) x slots <= {MEMBERSHIP_BITS}",
+                                   f"q_unit_log2 {q_unit_log2}, slots {slots}")
+    if num_splits < 1 or persistent not in (0, 1) or capacity < 0:
+        raise InvalidArgumentError("config", "num_splits >= 1, persistent 0 or 1, capacity >= 0",
+                                   f"num_splits {num_splits}, persistent {persistent}, capacity {capacity}")
+    expected_tiles = -(-seq_q // spec.tile_q)
+    if num_q_tiles != expected_tiles:
+        raise InvalidArgumentError("config", f"num_q_tiles ceil(Sq / tile_q) = {expected_tiles} for Sq {seq_q}",
+                                   num_q_tiles)
+    tile_counts = metadata[0]
+    if not isinstance(tile_counts, torch.Tensor) or tile_counts.dim() != 3:
+        raise InvalidArgumentError("tile_counts", "a 3-D tensor [Bm, Hm, nQT]", describe_tensor(tile_counts))
+    mask_batch, mask_heads = tile_counts.shape[:2]
+    if mask_batch not in (1, batch) or mask_heads not in (1, heads):
+        raise InvalidArgumentError("metadata", f"prepared for a mask of batch 1 or {batch} and heads 1 or {heads} "
+                                   "(those of q)", f"mask dims ({mask_batch}, {mask_heads})",
+                                   hint="prepare the plan with the mask of this call")
+    lead = (mask_batch, mask_heads, num_q_tiles)
+    shapes = (lead, lead + (capacity, slots), lead + (capacity,), lead,
+              (mask_batch, mask_heads, num_q_tiles * (spec.tile_q // q_unit)))
+    for (name, dtype), t, shape in zip(METADATA_DTYPES, metadata, shapes):
+        if t is None and name == "q_units":
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            raise InvalidArgumentError(name, f"{dtype} {list(shape)} (config {config}, q {tuple(q.shape)})",
+                                       describe_tensor(t))
+        if t.device != q.device or not t.is_contiguous():
+            raise InvalidArgumentError(name, f"a contiguous tensor on {q.device}", f"{t.device}, strides {t.stride()}")
 
 
 def output_buffers(q: torch.Tensor, num_splits: int, with_lse: bool, task_counter: bool = False):
@@ -384,10 +471,16 @@ def run_native(
     fills five pointers. Under ``torch.compile`` (or on fake / subclass tensors) the call goes through
     the ``tessera::sparse_attention_fwd`` custom op, which the compiler can trace."""
     spec = prepared.plan.kernel
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise InvalidArgumentError(
+            "q, k, v", "tensors that do not require grad (the native kernels compute the forward pass only)",
+            "requires_grad=True", hint="call under torch.no_grad() or torch.inference_mode(); gradients are "
+            "computed on the CPU reference path only")
     if q.dtype != spec.torch_dtype or q.shape[-1] != spec.head_dim:
         raise InvalidArgumentError("q", f"dtype {spec.dtype} and head_dim {spec.head_dim} for {spec.name}",
                                    f"{q.dtype}, head_dim {q.shape[-1]}")
     if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor for t in (q, k, v)):
+        prepared.check_call(q, k, v)
         out, lse = torch.ops.tessera.sparse_attention_fwd(
             q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
             spec.name, prepared.launch_config(), scale, prepared.q_units,
@@ -405,9 +498,13 @@ def dynamic_schedule(plan: PhysicalPlan) -> bool:
 def run_direct(prepared, q, k, v, scale, return_lse):
     """``run_native``'s eager path (same contract): cached template, output allocation, one launch."""
     q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
-    key = (q.shape, q.stride(), k.shape[1], k.stride(), v.stride(), q.dtype, q.device, scale)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.device, k.device, v.device, scale)
     templates = prepared.launch_templates
     template = templates.get(key)
+    if template is None:  # what a template fixes is checked once per such key
+        prepared.check_call(q, k, v)
+        check_launch(q, k, v, prepared.plan.kernel, prepared.metadata, prepared.launch_config())
     deferred = prepared.compaction_pending
     if deferred and torch.cuda.is_current_stream_capturing():
         prepared.pin()  # the graph replays these metadata pointers: settle() must never move them

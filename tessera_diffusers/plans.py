@@ -21,6 +21,7 @@ from enum import Enum
 
 import torch
 
+from .errors import InvalidArgumentError
 from .kernel_table import kernel_name
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -117,6 +118,14 @@ class TaskOrganization:
     traversal: Traversal = Traversal.LONGEST_FIRST
     num_splits: int = 1  # split-K parts per query tile (1: no split)
     persistent: bool = False  # fixed grid pulling tasks instead of one CTA per task
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.traversal, Traversal):
+            raise InvalidArgumentError("traversal", f"one of {[t.name for t in Traversal]}", repr(self.traversal))
+        if isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int) or self.num_splits < 1:
+            raise InvalidArgumentError("num_splits", "an int >= 1 (split-K parts per query tile)", repr(self.num_splits))
+        if not isinstance(self.persistent, bool):
+            raise InvalidArgumentError("persistent", "a bool", repr(self.persistent))
 
     @property
     def name(self) -> str:

@@ -153,6 +153,22 @@ class PreparedPlan:
         (``q_units`` None in the natural query layout)."""
         return self.tile_counts, self.tile_slots, self.tile_member, self.q_order, self.q_units
 
+    def check_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Refuse q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]`` that this plan's mask does not cover:
+        other sequence lengths, or a batch or head count the mask does not broadcast to."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise InvalidArgumentError(name, "a 4-D tensor [B, S, H, D]", type(t).__name__ if not
+                                           isinstance(t, torch.Tensor) else f"shape {tuple(t.shape)}")
+        if k.shape != v.shape or (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
+            raise InvalidArgumentError("k, v", f"[B, Skv, H, D] with B, H, D of q {tuple(q.shape)}",
+                                       f"{tuple(k.shape)} and {tuple(v.shape)}")
+        mask = self.mask
+        if (q.shape[1], k.shape[1]) != (mask.seq_len_q, mask.seq_len_kv):
+            raise InvalidArgumentError("q, k", f"sequence lengths ({mask.seq_len_q}, {mask.seq_len_kv}) of the mask "
+                                       "this plan was prepared for", f"({q.shape[1]}, {k.shape[1]})")
+        mask.check_broadcast(q.shape[0], q.shape[2])
+
     def workspace(self, batch: int, heads: int, head_dim: int) -> WorkspaceLayout:
         return WorkspaceLayout.of(self.plan.tasks.num_splits, batch, self.mask.seq_len_q, heads, head_dim)
 

@@ -6,14 +6,19 @@ prepared-plan cache (per mask object) for callers that repeat requests, like a d
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
 from . import reference
+from .eligibility import rejection
+from .errors import InvalidArgumentError
 from .executor import run_prepared
 from .mask import LogicalMask
 from .mask_state import MaskState, build_mask_state
@@ -62,6 +67,7 @@ def execute(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run a prepared plan with the implementation its kernel names."""
     if prepared.plan.kernel.family is Family.REFERENCE:
+        prepared.check_call(q, k, v)
         return run_prepared(prepared, q, k, v, scale, return_lse)
     from . import ops  # the native library is loaded on first native use only
 
@@ -74,16 +80,40 @@ def tracing_or_capturing() -> bool:
     return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+class CacheEntry(NamedTuple):
+    """One prepared plan of ``Runtime``'s cache: the mask it was prepared for (a weak reference:
+    the entry leaves with its mask) and the version of the mask's block tensor then."""
+
+    mask: weakref.ref
+    version: int | None
+    prepared: PreparedPlan | None
+
+
+def blocks_version(mask: LogicalMask) -> int | None:
+    """The version counter of ``mask.blocks``, which every in-place write advances; None for a
+    tensor made under ``torch.inference_mode`` (it keeps no counter, and outside that mode it
+    cannot be written in place)."""
+    try:
+        return mask.blocks._version
+    except RuntimeError:
+        return None
+
+
 @dataclass
 class Runtime:
     """Prepared-plan cache and selection front end (one per pipeline or processor).
 
-    An exact repeat of a request — the same mask object and the same shapes — skips selection and
-    preparation. Entries (and their device metadata) are dropped when their mask object dies. A new
-    mask goes through ``selector`` (plan table regime lookup, or the cost model), whose own cache
-    skips the ranking scan for a regime it has seen. A mask that comes back is re-prepared once in
-    the plan ``Selector.reused_plan`` names (the grouped query layout of small query blocks on
-    Hopper: its grouping, 0.2-0.3 ms once per mask at 32k tokens, is paid back by the calls after)."""
+    An exact repeat of a request — the same mask object, unchanged, and the same shapes — skips
+    selection and preparation; a mask whose ``blocks`` were written in place since is prepared
+    again. Entries (and their device metadata) are dropped when their mask object dies: they hold
+    the mask weakly (the prepared plan refers to a view of it, not to the mask itself). A new mask
+    goes through ``selector`` (plan table regime lookup, or the cost model), whose own cache skips
+    the ranking scan for a regime it has seen. A mask that comes back is re-prepared once in the
+    plan ``Selector.reused_plan`` names (the grouped query layout of small query blocks on Hopper:
+    its grouping, 0.2-0.3 ms once per mask at 32k tokens, is paid back by the calls after).
+
+    Safe to share between threads: the cache and the selection run under one lock (the launches
+    do not)."""
 
     max_entries: int = 256
     _cache: dict = field(default_factory=dict, repr=False)
@@ -94,31 +124,35 @@ class Runtime:
     selector: Selector = field(default_factory=Selector)
     # Prepared plans whose reuse plan is decided (Runtime.regrouped): nothing to decide again.
     _reuse_decided: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def prepared_for(self, mask: LogicalMask, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
         """The cached or newly prepared plan for ``(mask, request)``; None means the reference oracle."""
         key = (id(mask), request, plan)
-        entry = self._cache.get(key)
-        if entry is not None and entry[0]() is mask:
-            self.hits += 1
-            prepared = entry[1]
-            if prepared is not None:
-                prepared.settle()  # a worst-case plan takes its compact size once the count is on the host
-                if plan is None:  # the plan of a reused mask (decided once)
-                    reused = self.regrouped(prepared, request)
-                    if reused is not prepared:
-                        self._cache[key] = (entry[0], reused)
-                        prepared = reused
+        version = blocks_version(mask)
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None and entry.mask() is mask and entry.version == version:
+                self.hits += 1
+                prepared = entry.prepared
+                if prepared is not None:
+                    prepared.settle()  # a worst-case plan takes its compact size once the count is on the host
+                    if plan is None:  # the plan of a reused mask (decided once)
+                        reused = self.regrouped(prepared, request)
+                        if reused is not prepared:
+                            self._cache[key] = entry._replace(prepared=reused)
+                            prepared = reused
+                return prepared
+            self.misses += 1
+            # The state holds a view of the mask (same blocks tensor), so the cache keeps the user's
+            # mask object alive no longer than the user does.
+            state = build_mask_state(dataclasses.replace(mask))
+            prepared = self.plan_request(state, request, plan)
+            while len(self._cache) >= self.max_entries:
+                self._cache.pop(next(iter(self._cache)), None)
+            cache = self._cache
+            self._cache[key] = CacheEntry(weakref.ref(mask, lambda _, k=key: cache.pop(k, None)), version, prepared)
             return prepared
-        self.misses += 1
-        state = build_mask_state(mask)
-        prepared = self.plan_request(state, request, plan)
-        if len(self._cache) >= self.max_entries:
-            self._cache.pop(next(iter(self._cache)))
-        # The entry leaves with its mask: a loop of new masks keeps no dead metadata on the device.
-        cache = self._cache
-        self._cache[key] = (weakref.ref(mask, lambda _, k=key: cache.pop(k, None)), prepared)
-        return prepared
 
     def regrouped(self, prepared: PreparedPlan, request: Request) -> PreparedPlan:
         """``prepared`` re-prepared in the plan ``Selector.reused_plan`` names for a mask that came
@@ -127,17 +161,21 @@ class Runtime:
         ``PreparedPlan.pin``) and while a capture or compilation is under way. Decided once per
         prepared plan: later calls return it at once. Every cache of prepared plans calls it when it
         reuses one (this Runtime's, and the diffusers processors' step cache)."""
-        if prepared in self._reuse_decided or prepared.compaction.pinned or tracing_or_capturing():
+        with self._lock:
+            if prepared in self._reuse_decided or prepared.compaction.pinned or tracing_or_capturing():
+                return prepared
+            plan = self.selector.reused_plan(prepared.plan, request, prepared.state, warn=self._warn_once)
+            if plan != prepared.plan:
+                self.regroupings += 1
+                prepared = prepare(plan, prepared.state)
+            self._reuse_decided.add(prepared)
             return prepared
-        plan = self.selector.reused_plan(prepared.plan, request, prepared.state, warn=self._warn_once)
-        if plan != prepared.plan:
-            self.regroupings += 1
-            prepared = prepare(plan, prepared.state)
-        self._reuse_decided.add(prepared)
-        return prepared
 
     def plan_request(self, state: MaskState, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
         if plan is not None:
+            reason = rejection(plan, request)
+            if reason is not None:
+                raise InvalidArgumentError("plan", f"a plan that can serve {request.key}", f"{plan.name} ({reason})")
             return prepare(plan, state)
         chosen = self.selector.select(request, state, warn=self._warn_once)
         return None if chosen is None else prepare(chosen, state)
@@ -168,7 +206,8 @@ class Runtime:
         return execute(prepared, q, k, v, scale, return_lse)
 
     def clear(self) -> None:
-        self._cache.clear()
+        with self._lock:
+            self._cache.clear()
 
     # -- explain (issue 6): how a request would be planned ----------------------------------------
 

@@ -324,7 +324,7 @@ def test_auto_prepare_defers_compaction_and_settles_on_reuse(monkeypatch):
     q, k, v = (torch.randn(1, 16384, 24, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
     first = runtime.attention(q, k, v, mask)
     (entry,) = runtime._cache.values()
-    kept = entry[1]
+    kept = entry.prepared
     torch.cuda.synchronize()
     was_pending, worst_cap = kept.compaction_pending, kept.capacity
     second = runtime.attention(q, k, v, mask)  # a hit: settles

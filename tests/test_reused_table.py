@@ -160,7 +160,7 @@ def test_runtime_reprepares_a_reused_mask_once_in_the_table_plan(reused_best):
     for _ in range(4):
         out = runtime.attention(q, k, v, mask, scale=0.2)
         assert check_against_reference(out, None, q, k, v, mask, 0.2).ok()
-        plans.append(runtime._cache[next(iter(runtime._cache))][1].plan)
+        plans.append(runtime._cache[next(iter(runtime._cache))].prepared.plan)
     assert plans == [NATURAL, reused_best, reused_best, reused_best]
     assert runtime.regroupings == 1
 

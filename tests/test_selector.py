@@ -212,7 +212,7 @@ def test_runtime_runs_the_table_choice_on_cpu_and_explains():
     mask = random_mask(1, 2, 1000, 1000, 64, 64, density=0.3)
     q, k, v = random_qkv(1, 1000, 1000, 2, 64, torch.float32, "cpu")
     out = runtime.attention(q, k, v, mask)
-    assert runtime._cache[next(iter(runtime._cache))][1].plan == split
+    assert runtime._cache[next(iter(runtime._cache))].prepared.plan == split
     torch.testing.assert_close(out, reference.attention(q, k, v, mask), atol=2e-5, rtol=1e-5)
     buffer = io.StringIO()
     selection = runtime.explain(q, k, v, mask, file=buffer)
