@@ -5,7 +5,7 @@ denoising step and the guidance branch — and how the processor learns them.
   self-attention of layer i", ``transformer_blocks[i].attn`` of HunyuanVideo-1.5 is "joint attention
   of layer i"; every other attention module keeps its stock processor. Installed with
   ``set_attn_processor`` alone, the processor recognises the route from the module class and the
-  call, and numbers layers in the order their modules are first called.
+  call, and numbers each transformer's layers in the order their modules are first called.
 - **Latent grid.** ``attach``'s ``TesseraHook`` reads ``hidden_states [B, C, F, H, W]`` and the patch
   size before each forward; alone, the processor reads the grid off the 3-D rotary table both models
   hand every video attention call (``grid_from_rotary``, once per forward). Where neither is there,
@@ -19,21 +19,31 @@ denoising step and the guidance branch — and how the processor learns them.
   without any context, forwards are counted and split into ``branches`` alternating branches.
   Pipelines reset stateful hooks at the end of a run (``maybe_free_model_hooks``), which restarts
   the counts and drops the masks and plans of that video.
+- **Several transformers, one processor.** A processor may serve several transformers at once (Wan2.2's
+  ``transformer`` and ``transformer_2``, two pipelines given the same instance): each transformer
+  gets a model index of its own (``ModuleRoute.model``), under which its layers are numbered, its
+  steps counted (``ModelRun``) and its masks and plans kept. A reset reaches the processor through
+  every transformer it is installed in, so it forgets only the run of the transformer being reset
+  (``TesseraHook`` knows its transformer; ``ProcessorHook`` finds it on the call stack,
+  ``running_transformer``); ``TesseraProcessor.reset()`` forgets every run.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers.hooks.hooks import BaseState, ModelHook, StateManager
+from diffusers.hooks.hooks import BaseState, HookRegistry, ModelHook, StateManager
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
-from tessera_diffusers.errors import InvalidArgumentError
+from tessera_diffusers.errors import InvalidArgumentError, describe_tensor
 from tessera_diffusers.sparsifiers.base import LatentGrid
 
 if TYPE_CHECKING:
@@ -53,7 +63,7 @@ class Route(str, Enum):
 @dataclass(frozen=True)
 class ModuleRoute:
     route: Route
-    model: int  # index of the attached transformer (0 when not attached)
+    model: int  # index of the transformer the module belongs to (``TesseraProcessor.model_index``)
     layer: int  # transformer block index (-1 for stock routes)
 
 
@@ -188,6 +198,11 @@ def moving_axes(grid: LatentGrid) -> dict[int, int]:
     return axes
 
 
+def describe_argument(value: Any) -> str:
+    """Short description of a call argument for error messages (a tensor, or a tuple of them)."""
+    return describe_tensor(value) if isinstance(value, torch.Tensor) else _shape_of(value)
+
+
 def _shape_of(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return "(" + ", ".join(_shape_of(v) for v in value) + ")"
@@ -284,6 +299,15 @@ class StepCounter:
         self.forwards = 0
 
 
+@dataclass
+class ModelRun:
+    """One transformer's run in progress, from its first sparse call to its reset: the forwards
+    counted without ``attach`` and the (branch, step) of its running forward."""
+
+    counter: StepCounter = field(default_factory=StepCounter)
+    where: tuple[str, int] = ("branch0", 0)
+
+
 class TesseraHook(ModelHook):
     """``attach``'s hook on the transformer: the latent grid, step and guidance branch of every forward."""
 
@@ -310,7 +334,7 @@ class TesseraHook(ModelHook):
 
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
         self.counter.reset()
-        self.processor.new_run()
+        self.processor.new_run(self.model)  # this transformer's run only: others may share the processor
         return module
 
 
@@ -329,8 +353,24 @@ class ProcessorHook(ModelHook):
         return current_context(self.state_manager)
 
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
-        self.processor.new_run()
+        # ``module`` is the processor: the transformer being reset is the one on the call stack
+        self.processor.run_ended(running_transformer())
         return module
+
+
+def running_transformer() -> torch.nn.Module | None:
+    """The Wan2.1 or HunyuanVideo-1.5 transformer on the call stack (the nearest one), if any: the one
+    whose forward is running, or whose stateful hooks are being reset (``_reset_stateful_cache``, or
+    its ``HookRegistry.reset_stateful_hooks``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, HookRegistry):
+            candidate = getattr(candidate, "_module_ref", None)
+        if isinstance(candidate, (WanTransformer3DModel, HunyuanVideo15Transformer3DModel)):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 def current_context(manager: StateManager) -> Any:

@@ -27,7 +27,7 @@ from tessera_diffusers.errors import InvalidArgumentError, describe_tensor
 from tessera_diffusers.mask import LogicalMask
 
 from .backends import dense_lse_attention, merge_partials
-from .context import ForwardContext, ModuleRoute
+from .context import ForwardContext, ModuleRoute, describe_argument
 from .plan_cache import CacheSlot
 
 if TYPE_CHECKING:
@@ -59,6 +59,32 @@ def text_keys(attention_mask: torch.Tensor | None, batch: int, seq_text: int) ->
     if len(set(counts)) == 1 and bool(valid[:, : counts[0]].all()):
         return TextKeys(int(counts[0]), None)
     return TextKeys(None, tuple(torch.nonzero(valid[b]).flatten() for b in range(batch)))
+
+
+def check_joint_attention_call(
+    encoder_hidden_states: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Refuse what the sparse joint route would otherwise ignore. Its only mask is the 1-D text mask
+    ``attention_mask [B, St]`` beside ``encoder_hidden_states`` (checked by ``text_keys``); the
+    transformer's blocks always pass both, with RoPE as ``image_rotary_emb``."""
+    if attention_mask is not None and encoder_hidden_states is None:
+        raise InvalidArgumentError(
+            "attention_mask",
+            "None when encoder_hidden_states is None: the sparse HunyuanVideo-1.5 route takes a 1-D mask "
+            "over the text tokens [B, St] only, and video tokens attend under the sparsifier's block mask",
+            describe_argument(attention_mask),
+            hint="to attend with it, give this module the stock processor: "
+            "attn.set_processor(HunyuanVideo15AttnProcessor2_0())",
+        )
+    if rotary_emb is not None:
+        raise InvalidArgumentError(
+            "rotary_emb",
+            "None: HunyuanVideo-1.5 takes its rotary table as image_rotary_emb (cos, sin [Sv, D])",
+            describe_argument(rotary_emb),
+            hint="pass it as image_rotary_emb, the argument the model's blocks hand their processor",
+        )
 
 
 def project(attn: torch.nn.Module, states: torch.Tensor, added: bool) -> tuple[torch.Tensor, ...]:

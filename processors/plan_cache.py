@@ -177,9 +177,17 @@ class StepCache:
             self.stats.evictions += 1
         self.stats.peak_bytes = max(self.stats.peak_bytes, total)
 
-    def clear(self) -> None:
-        self.slots.clear()
-        self.last_masks.clear()
+    def clear(self, model: Hashable | None = None) -> None:
+        """Drop every slot (None), or only the masks and plans of one model's keys
+        ``(model, layer, branch)``: the other models sharing the cache keep theirs, and shared slots
+        stay."""
+        if model is None:
+            self.slots.clear()
+            self.last_masks.clear()
+            return
+        for kept in (self.slots, self.last_masks):
+            for key in [key for key in kept if isinstance(key, tuple) and len(key) == 3 and key[0] == model]:
+                del kept[key]
 
     def report(self) -> dict:
         """Counts and memory (bytes) of the cache."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import warnings
 import weakref
 from typing import Any
@@ -59,16 +58,17 @@ from .context import (
     ForwardContext,
     GridReader,
     IdentityMemo,
+    ModelRun,
     ModuleRoute,
     ProcessorHook,
     Route,
-    StepCounter,
     TesseraHook,
     patch_size_of,
+    running_transformer,
 )
-from .hunyuan_video15 import TextKeys, hunyuan_video15_joint_attention, text_keys
+from .hunyuan_video15 import TextKeys, check_joint_attention_call, hunyuan_video15_joint_attention, text_keys
 from .plan_cache import CacheSlot, CacheStats, StepCache
-from .wan import wan_self_attention
+from .wan import check_wan_self_attention_call, wan_self_attention
 
 # Denoising steps kept dense before the sparse masks start: 20 % of the 50 steps both pipelines run
 # by default. Sparse video attention keeps the first, layout-forming steps dense; the number is a
@@ -102,7 +102,10 @@ class TesseraProcessor(torch.nn.Module):
     """Diffusers attention processor routing video self-attention through Tessera.
 
     It is an ``nn.Module`` without parameters so that, once installed, it is part of the transformer:
-    the pipeline's ``cache_context`` and end-of-run reset reach its hook (see ``context.py``).
+    the pipeline's ``cache_context`` and end-of-run reset reach its hook (see ``context.py``). One
+    instance may serve several transformers (Wan2.2's ``transformer`` and ``transformer_2``, two
+    pipelines): each keeps its own layers, steps, masks and plans, one's end of run leaves the
+    others' alone, and ``stats()`` reports their totals.
 
     Args:
         sparsifier: makes the video masks; None: the per-model default (``default_sparsifier``).
@@ -165,9 +168,13 @@ class TesseraProcessor(torch.nn.Module):
         self.stock: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> original processor
         self.default_stock: dict[type, Any] = {}  # stock processors for modules never attached
         self.models: list[torch.nn.Module] = []
+        # Each transformer served (attached or not) has a model index of its own: its masks, plans and
+        # step count are kept apart, so that one transformer's end of run leaves another's alone.
+        self.model_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transformer -> model index
+        self.loose_model: int | None = None  # the index of calls made outside any known transformer
+        self.model_count = 0
+        self.runs: dict[int, ModelRun] = {}  # model index -> its run in progress (from its first sparse call)
         self.active: ForwardContext | None = None  # attach's context of the running forward
-        self.counter = StepCounter()  # step and branch without attach
-        self.where: tuple[str, int] = ("branch0", 0)  # (branch, step) of the running forward, without attach
         self.last_context: dict[ModuleRoute, ForwardContext] = {}  # for recomputation in backward
         self.refreshed: weakref.WeakSet = weakref.WeakSet()  # transformers whose hook cache was checked
         self.memo = IdentityMemo()
@@ -202,7 +209,7 @@ class TesseraProcessor(torch.nn.Module):
                 "a transformer without another TesseraProcessor attached (detach that one first)",
                 type(transformer).__name__,
             )
-        model = len(self.models)
+        model = self.model_index(transformer)
         originals = transformer.attn_processors  # name -> processor, before replacement
         for name, original in originals.items():
             module = transformer.get_submodule(name[: -len(".processor")])
@@ -269,16 +276,56 @@ class TesseraProcessor(torch.nn.Module):
     def end_forward(self) -> None:
         self.active = None
 
-    def new_run(self) -> None:
-        """Forget masks and plans (a new video); called by the hooks when a pipeline run ends."""
+    def model_index(self, transformer: torch.nn.Module | None) -> int:
+        """The index under which ``transformer``'s layers, steps, masks and plans are kept (the same
+        for the processor's lifetime); calls made outside any Wan2.1 or HunyuanVideo-1.5 forward
+        (``None``) share one."""
+        if transformer is None:
+            if self.loose_model is None:
+                self.loose_model = self.new_model_index()
+            return self.loose_model
+        index = self.model_ids.get(transformer)
+        if index is None:
+            index = self.model_ids[transformer] = self.new_model_index()
+        return index
+
+    def new_model_index(self) -> int:
+        self.model_count += 1
+        return self.model_count - 1
+
+    def new_run(self, model: int | None = None) -> None:
+        """Forget the masks, plans and step count of one transformer's run (``model``: its index), or
+        of every run (None): a new video. The hooks call it when a pipeline's run ends; the helper
+        masks shared by every transformer (dense text parts) go with the last run in progress."""
+        self.memo.clear()  # derived from live tensors only: a cache, not run state
+        if model is not None:
+            alive = {*self.model_ids.values(), self.loose_model}
+            ended = {model, *(m for m in self.runs if m not in alive)}  # and the runs of collected transformers
+            for index in ended:
+                self.runs.pop(index, None)
+                self.cache.clear(index)
+            self.last_context = {route: call for route, call in self.last_context.items() if route.model not in ended}
+            if self.active is not None and self.active.model in ended:
+                self.active = None
+            if self.runs:  # another transformer is mid-run: its masks, plans and counts stay
+                return
+        self.runs.clear()
         self.cache.clear()
-        self.memo.clear()
-        self.counter.reset()
         self.last_context.clear()
         self.active = None
 
+    def run_ended(self, transformer: torch.nn.Module | None) -> None:
+        """A reset of ``transformer``'s stateful hooks reached the processor (the end of its pipeline
+        run): forget that transformer's run; every run when it cannot be told (None)."""
+        if transformer is None:
+            self.new_run()
+            return
+        model = self.model_ids.get(transformer, self.loose_model)
+        if model is not None:
+            self.new_run(model)
+
     def reset(self) -> None:
-        """``new_run`` and zero every counter of ``stats()``."""
+        """``new_run`` of every transformer's run and zero every counter of ``stats()``."""
         self.new_run()
         self.cache.stats = CacheStats()
         self.calls = {route: 0 for route in Route}
@@ -306,6 +353,10 @@ class TesseraProcessor(torch.nn.Module):
         positionally; the legacy ``Attention`` of HunyuanVideo-1.5 passes keywords and drops any
         keyword the signature does not name — hence both ``rotary_emb`` and ``image_rotary_emb``."""
         route = self.route_of(attn, encoder_hidden_states)
+        if route.route is Route.WAN_SELF:  # the sparse routes refuse what they would otherwise ignore
+            check_wan_self_attention_call(encoder_hidden_states, attention_mask, image_rotary_emb)
+        elif route.route is Route.HV15_JOINT:
+            check_joint_attention_call(encoder_hidden_states, attention_mask, rotary_emb)
         recomputing = in_backward()  # activation checkpointing replays this call in the backward pass
         if not recomputing:
             self.calls[route.route] += 1
@@ -355,7 +406,7 @@ class TesseraProcessor(torch.nn.Module):
         route = self.routes.get(attn)
         if route is not None:
             return route
-        # Not attached: recognise the call, number layers in first-call order.
+        # Not attached: recognise the call, number the transformer's layers in first-call order.
         if isinstance(attn, WanAttention) and encoder_hidden_states is None and not attn.is_cross_attention:
             kind = Route.WAN_SELF
         elif (
@@ -366,8 +417,11 @@ class TesseraProcessor(torch.nn.Module):
             kind = Route.HV15_JOINT
         else:
             kind = Route.STOCK
-        layer = sum(1 for r in self.routes.values() if r.route is kind) if kind is not Route.STOCK else -1
-        route = ModuleRoute(kind, 0, layer)
+        model = self.model_index(running_transformer())
+        layer = -1
+        if kind is not Route.STOCK:
+            layer = sum(1 for r in self.routes.values() if r.route is kind and r.model == model)
+        route = ModuleRoute(kind, model, layer)
         self.routes[attn] = route
         return route
 
@@ -381,19 +435,22 @@ class TesseraProcessor(torch.nn.Module):
         """The forward context of a sparse call: ``attach``'s, or the processor's own (the grid from
         ``latent_grid`` or the rotary table; step and branch from its hook). A call recomputed in
         the backward pass (activation checkpointing) gets the context of its forward."""
+        run = self.runs.get(route.model)
+        if run is None:
+            run = self.runs[route.model] = ModelRun()
         if self.active is not None and self.active.model == route.model:
             return self.active
         if recomputing and route in self.last_context:
             return self.last_context[route]
-        if route.layer == 0:  # the first sparse layer starts a forward
+        if route.layer == 0:  # the transformer's first sparse layer starts its forward
             context = self.hook.context()
             if context is None:
                 self.reach_pipeline_context()
-            self.where = self.counter.next(context, self.branches)
+            run.where = run.counter.next(context, self.branches)
         grid = self.latent_grid
         if grid is None and rotary is not None and self.ulysses is None:
             grid = self.memo.get(rotary[0], ("grid", seq_video), lambda: self.grids(rotary, seq_video))
-        branch, step = self.where
+        branch, step = run.where
         call = ForwardContext(route.model, grid, step, branch)
         self.last_context[route] = call
         return call
@@ -594,17 +651,6 @@ class TesseraProcessor(torch.nn.Module):
             f"TesseraProcessor(sparsifier={sparsifier}, backend={self.backend.name}, "
             f"recompute_every={self.cache.recompute_every}, cache_bytes={budget}, attached={len(self.models)})"
         )
-
-
-def running_transformer() -> torch.nn.Module | None:
-    """The Wan2.1 or HunyuanVideo-1.5 transformer whose forward is on the call stack, if any."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, (WanTransformer3DModel, HunyuanVideo15Transformer3DModel)):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 def in_backward() -> bool:

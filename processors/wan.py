@@ -16,7 +16,7 @@ from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
 from tessera_diffusers.errors import InvalidArgumentError
 
-from .context import ForwardContext, ModuleRoute
+from .context import ForwardContext, ModuleRoute, describe_argument
 
 if TYPE_CHECKING:
     from .processor import TesseraProcessor
@@ -33,6 +33,46 @@ def apply_wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     out[..., 0::2] = x1 * cos_pair - x2 * sin_pair
     out[..., 1::2] = x1 * sin_pair + x2 * cos_pair
     return out.type_as(x)
+
+
+STOCK_HINT = (
+    "to attend with it, give this module the stock processor: attn.set_processor(WanAttnProcessor()), "
+    "from diffusers.models.transformers.transformer_wan"
+)
+
+
+def check_wan_self_attention_call(
+    encoder_hidden_states: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Refuse what the sparse route would otherwise ignore. It is video self-attention (``attn1``),
+    every query over the keys of the sparsifier's block mask, with RoPE from ``rotary_emb``: Wan's
+    own blocks call ``attn1(hidden_states, None, None, rotary_emb)``, so any other argument comes from
+    a custom caller who expects it to count."""
+    if encoder_hidden_states is not None:
+        raise InvalidArgumentError(
+            "encoder_hidden_states",
+            "None: the sparse route runs Wan2.1 video self-attention (attn1), whose keys are the video "
+            "tokens themselves (text cross-attention is attn2, which keeps its stock processor)",
+            describe_argument(encoder_hidden_states),
+            hint=STOCK_HINT,
+        )
+    if attention_mask is not None:
+        raise InvalidArgumentError(
+            "attention_mask",
+            "None: the sparse route of Wan2.1 video self-attention (attn1) attends under the sparsifier's "
+            "block mask only and takes no attention mask of its own",
+            describe_argument(attention_mask),
+            hint=STOCK_HINT,
+        )
+    if image_rotary_emb is not None:
+        raise InvalidArgumentError(
+            "image_rotary_emb",
+            "None: Wan2.1 takes its rotary table as rotary_emb (cos, sin [1, S, 1, D])",
+            describe_argument(image_rotary_emb),
+            hint="pass it as rotary_emb, the argument WanAttention hands its processor",
+        )
 
 
 def wan_self_attention(
