@@ -51,7 +51,9 @@ two plans (another tile too). The compiler chooses it by cross-validation; table
 
 A tree node with ``"stat"`` sends a mask whose statistic is ``<= le`` to ``left``, else to ``right``;
 node 0 is the root and children always come after their parent. The loader checks all of it (and the
-checksum) and raises ``PlanTableError`` with what is wrong; it never guesses.
+checksum) and raises ``PlanTableError`` with what is wrong; it never guesses. Whatever a file holds
+(other bytes than UTF-8, deep nesting, numbers out of range, a field of another type, more than
+``MAX_TABLE_BYTES``, refused unread), loading it ends in a table or a ``PlanTableError``.
 """
 
 from __future__ import annotations
@@ -61,13 +63,15 @@ import json
 import math
 import os
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from stat import S_ISREG
 from types import MappingProxyType
-from typing import Any
+from typing import Any, BinaryIO
 
 from .catalog import catalog_hash
 from .errors import PlanTableError
@@ -380,6 +384,143 @@ def body_digest(body: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+# -- typed reads of the parsed JSON --------------------------------------------------------------
+# JSON may hold any type anywhere. Each value is checked where it is read, so a malformed file fails
+# with the field's path, what it holds and what was expected, never with a TypeError from the parser.
+
+Fail = Callable[[str], Exception]  # what went wrong -> the exception to raise (it adds the file)
+MISSING: Any = object()  # no default: the field is required
+
+
+def shown(value: Any) -> str:
+    """A JSON value as an error message names it: ``null``, ``a list``, ``-3 (an int)``, ``inf (a string)``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a bool)"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if value == "":
+        return "an empty string"
+    kind = {str: "a string", int: "an int", float: "a number"}.get(type(value), type(value).__name__)
+    text = str(value)
+    return f"{text if len(text) <= 40 else text[:37] + '...'} ({kind})"
+
+
+def quoted(value: Any) -> str:
+    """A scalar as Python writes it (``'direct'``, ``True``), a container by its kind (``a list``)."""
+    return shown(value) if isinstance(value, (dict, list)) else repr(value)
+
+
+def finite_number(value: Any) -> float | None:
+    """``value`` as a float if it is a finite JSON number (an int or a float, not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        return None
+    return number if math.isfinite(number) else None
+
+
+def wrong(path: str, value: Any, expected: str, fail: Fail) -> Exception:
+    return fail(f"{path} is {shown(value)}, expected {expected}")
+
+
+def is_count(value: Any, minimum: int) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+class Fields:
+    """One JSON object of a table file, read field by field with each type checked. ``path`` names
+    the object in messages (``table.keys.<key>.buckets.2,2.regimes[0]``); ``fail`` adds the file.
+    Paths are spelled out only when a check fails: a valid table loads at the speed of plain reads."""
+
+    def __init__(self, data: Any, path: str, fail: Fail):
+        if not isinstance(data, dict):
+            raise wrong(path, data, "an object", fail)
+        self.data: dict = data
+        self.path = path
+        self.fail = fail
+
+    def where(self, key: str) -> str:
+        return f"{self.path}.{key}"
+
+    def get(self, key: str, default: Any = MISSING) -> Any:
+        """The raw value of ``key``; a missing required field fails."""
+        if key in self.data:
+            return self.data[key]
+        if default is MISSING:
+            raise self.fail(f"{self.where(key)} is missing")
+        return default
+
+    def fields(self, key: str, default: Any = MISSING) -> Fields:
+        return Fields(self.get(key, default), self.where(key), self.fail)
+
+    def members(self, key: str) -> list[tuple[str, Any]]:
+        """The ``(name, value)`` members of the object at ``key``."""
+        return list(self.fields(key).data.items())
+
+    def array(self, key: str, default: Any = MISSING) -> list:
+        value = self.get(key, default)
+        if not isinstance(value, list):
+            raise wrong(self.where(key), value, "a list", self.fail)
+        return value
+
+    def records(self, key: str, default: Any = MISSING) -> list[Fields]:
+        """The list of objects at ``key``."""
+        path = self.where(key)
+        return [Fields(item, f"{path}[{i}]", self.fail) for i, item in enumerate(self.array(key, default))]
+
+    def text(self, key: str, default: Any = MISSING) -> Any:
+        """A string; with a default, also the default where the field is missing (or null)."""
+        value = self.get(key, default)
+        if isinstance(value, str) or (default is not MISSING and value == default):
+            return value
+        raise wrong(self.where(key), value, "a string", self.fail)
+
+    def texts(self, key: str, default: Any = MISSING) -> tuple[str, ...]:
+        values = self.array(key, default)
+        for i, value in enumerate(values):
+            if not isinstance(value, str):
+                raise wrong(f"{self.where(key)}[{i}]", value, "a string", self.fail)
+        return tuple(values)
+
+    def count(self, key: str, minimum: int = 0) -> int:
+        value = self.get(key)
+        if not is_count(value, minimum):
+            raise wrong(self.where(key), value, f"an int >= {minimum}", self.fail)
+        return value
+
+    def counts(self, key: str, minimum: int = 0) -> tuple[int, ...]:
+        values = self.array(key)
+        for i, value in enumerate(values):
+            if not is_count(value, minimum):
+                raise wrong(f"{self.where(key)}[{i}]", value, f"an int >= {minimum}", self.fail)
+        return tuple(values)
+
+    def flag(self, key: str) -> bool:
+        value = self.get(key)
+        if not isinstance(value, bool):
+            raise wrong(self.where(key), value, "true or false", self.fail)
+        return value
+
+    def member(self, key: str, kind: type[Enum], default: Any = MISSING) -> Any:
+        """A member of the string enum ``kind``, by value."""
+        value = self.get(key, default)
+        if isinstance(value, kind):  # the default
+            return value
+        if isinstance(value, str):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+        raise wrong(self.where(key), value, f"one of {[m.value for m in kind]}", self.fail)
+
+
 # -- serialization of plans ----------------------------------------------------------------------
 
 def kernel_to_dict(k: KernelSpec) -> dict:
@@ -387,9 +528,12 @@ def kernel_to_dict(k: KernelSpec) -> dict:
             "dtype": k.dtype, "stages": k.stages, "arch": k.arch, "warps": k.warps}
 
 
-def kernel_from_dict(d: Mapping) -> KernelSpec:
-    return KernelSpec(Family(d["family"]), int(d["tile_q"]), int(d["tile_kv"]), int(d["head_dim"]), str(d["dtype"]),
-                      int(d["stages"]), str(d["arch"]), int(d["warps"]))
+def kernel_from_dict(d: Any, path: str = "kernel", fail: Fail = PlanTableError) -> KernelSpec:
+    """The inverse of ``kernel_to_dict``; a malformed record raises ``fail`` naming the field (``path``
+    says where the record sits in its file)."""
+    f = Fields(d, path, fail)
+    return KernelSpec(f.member("family", Family), f.count("tile_q", 1), f.count("tile_kv", 1), f.count("head_dim", 1),
+                      f.text("dtype"), f.count("stages", 1), f.text("arch"), f.count("warps", 1))
 
 
 def plan_to_dict(p: PhysicalPlan) -> dict:
@@ -403,10 +547,13 @@ def plan_to_dict(p: PhysicalPlan) -> dict:
     return out
 
 
-def plan_from_dict(d: Mapping) -> PhysicalPlan:
-    tasks = TaskOrganization(Traversal(d["traversal"]), int(d["num_splits"]), bool(d["persistent"]))
-    return PhysicalPlan(int(d["block_q"]), int(d["block_kv"]), KvLayout(d["kv_layout"]), tasks,
-                        kernel_from_dict(d["kernel"]), QLayout(d.get("q_layout", QLayout.NATURAL.value)))
+def plan_from_dict(d: Any, path: str = "plan", fail: Fail = PlanTableError) -> PhysicalPlan:
+    """The inverse of ``plan_to_dict``; a malformed record raises ``fail`` naming the field."""
+    f = Fields(d, path, fail)
+    tasks = TaskOrganization(f.member("traversal", Traversal), f.count("num_splits", 1), f.flag("persistent"))
+    return PhysicalPlan(f.count("block_q", 1), f.count("block_kv", 1), f.member("kv_layout", KvLayout), tasks,
+                        kernel_from_dict(f.get("kernel"), f.where("kernel"), fail),
+                        f.member("q_layout", QLayout, QLayout.NATURAL))
 
 
 def key_table_to_dict(kt: KeyTable) -> dict:
@@ -446,57 +593,71 @@ def bucket_to_dict(bt: BucketTable) -> dict:
 
 # -- validation ----------------------------------------------------------------------------------
 
+# What building a table may still raise on input that no check below foresaw: reported as a
+# malformed table, naming the file, rather than escaping to an attention call.
+# ValueError covers UnicodeDecodeError; ArithmeticError covers OverflowError and ZeroDivisionError.
+PARSE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError)
+
+
 def parse_table(data: Any, source: str) -> PlanTable:
     """Everything ``PlanTable.from_dict`` checks, with messages that say where and what."""
 
     def fail(what: str) -> PlanTableError:
         return PlanTableError(f"{source}: {what}")
 
+    try:
+        return check_and_build(data, fail)
+    except PlanTableError:
+        raise
+    except PARSE_ERRORS as err:
+        raise fail(f"malformed table ({type(err).__name__}: {err})") from err
+
+
+def check_and_build(data: Any, fail: Fail) -> PlanTable:
+    """The envelope (format, schema version, checksum), then the body."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise fail(f"not a Tessera plan table (expected \"format\": \"{FORMAT}\")")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise fail(f"schema version {version!r}, this Tessera reads version {SCHEMA_VERSION}; re-run `tessera profile`")
+    if isinstance(version, bool) or version != SCHEMA_VERSION:
+        raise fail(f"schema version {shown(version)}, this Tessera reads version {SCHEMA_VERSION}; "
+                   "re-run `tessera profile`")
     body = data.get("table")
     if not isinstance(body, dict):
         raise fail("no \"table\" object")
     try:
         digest = body_digest(body)
-    except (TypeError, ValueError) as err:
-        raise fail(f"table body is not canonical JSON ({err})") from err
+    except (TypeError, ValueError, RecursionError) as err:
+        raise fail(f"table body is not canonical JSON ({type(err).__name__}: {err})") from err
     if digest != data.get("sha256"):
         raise fail("checksum mismatch: the file was edited or corrupted after it was built")
-    try:
-        return build_table(body, fail)
-    except PlanTableError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise fail(f"malformed table ({type(err).__name__}: {err})") from err
+    return build_table(Fields(body, "table", fail), fail)
 
 
-def build_table(body: dict, fail) -> PlanTable:
-    arch = str(body["arch"])
-    catalog = body["catalog"]
-    kernels = tuple(kernel_from_dict(k) for k in catalog["kernels"])
-    if catalog_hash(kernels) != catalog["hash"]:
-        raise fail(f"catalog hash {catalog['hash']} does not match its own kernel list")
+def build_table(body: Fields, fail: Fail) -> PlanTable:
+    arch = body.text("arch")
+    catalog = body.fields("catalog")
+    kernels = tuple(kernel_from_dict(k, f"{catalog.where('kernels')}[{i}]", fail)
+                    for i, k in enumerate(catalog.array("kernels")))
+    built_against = catalog.text("hash")
+    if catalog_hash(kernels) != built_against:
+        raise fail(f"catalog hash {built_against} does not match its own kernel list")
     kernel_names = {k.name for k in kernels}
 
-    feats = body["features"]
-    stats = tuple(str(s) for s in feats["stats"])
+    feats = body.fields("features")
+    stats = feats.texts("stats")
     unknown = [s for s in stats if s not in STAT_NAMES]
     if unknown:
         raise fail(f"feature schema names statistics this Tessera does not compute: {unknown} (known: {STAT_NAMES})")
-    edges = feats["buckets"]
-    buckets = Buckets(tuple(int(e) for e in edges["batch_heads"]), tuple(int(e) for e in edges["seq_len"]))
+    edges = feats.fields("buckets")
+    buckets = Buckets(edges.counts("batch_heads", 1), edges.counts("seq_len", 1))
     for dim, values in (("batch_heads", buckets.batch_heads), ("seq_len", buckets.seq_len)):
-        if list(values) != sorted(set(values)) or any(v < 1 for v in values):
+        if list(values) != sorted(set(values)):
             raise fail(f"bucket edges {dim} = {list(values)} are not strictly increasing positive ints")
     schema = FeatureSchema(stats, buckets)
 
     plans: dict[str, PhysicalPlan] = {}
-    for name, spec in body["plans"].items():
-        plan = plan_from_dict(spec)
+    for name, spec in body.members("plans"):
+        plan = plan_from_dict(spec, body.where(f"plans.{name}"), fail)
         if plan.name != name:
             raise fail(f"plan {name!r} describes {plan.name!r} (plan naming changed: re-run `tessera profile`)")
         if plan.kernel.family is not Family.REFERENCE and plan.kernel.name not in kernel_names:
@@ -505,58 +666,79 @@ def build_table(body: dict, fail) -> PlanTable:
 
     allowed_stats = {STAT_NAMES.index(s) for s in stats}
     keys: dict[str, KeyTable] = {}
-    for key, kd in body["keys"].items():
+    for key, raw in body.members("keys"):
         if not key.startswith(f"{arch}/"):
             raise fail(f"key {key!r} is not a key of architecture {arch}")
-        base = kd["base_plan"]
+        kd = Fields(raw, body.where(f"keys.{key}"), fail)
+        base = kd.get("base_plan")
+        if base is not None and not isinstance(base, str):
+            raise wrong(kd.where("base_plan"), base, "a plan name or null", fail)
         if base is not None and base not in plans:
             raise fail(f"{key}: base plan {base!r} is not in the table's plans")
         bucket_tables = {}
-        for bucket_text, bd in kd["buckets"].items():
-            bucket = tuple(int(x) for x in bucket_text.split(","))
-            if len(bucket) != 2 or bucket[0] > len(buckets.batch_heads) or bucket[1] > len(buckets.seq_len) \
-                    or min(bucket) < 0:
+        for bucket_text, bd in kd.members("buckets"):
+            bucket = bucket_of_text(bucket_text)
+            if bucket is None or bucket[0] > len(buckets.batch_heads) or bucket[1] > len(buckets.seq_len):
                 raise fail(f"{key}: bucket {bucket_text!r} is outside the schema's buckets")
-            label = buckets.label(bucket)  # type: ignore[arg-type]
-            bucket_tables[bucket] = build_bucket(key, bucket, label, bd, plans, base, allowed_stats,
+            label = buckets.label(bucket)
+            fields = Fields(bd, kd.where(f"buckets.{bucket_text}"), fail)
+            bucket_tables[bucket] = build_bucket(key, bucket, label, fields, plans, base, allowed_stats,
                                                  lambda what, k=key, b=label: fail(f"{k} {b}: {what}"))
-        keys[key] = KeyTable(key, base, int(kd["cases"]), MappingProxyType(bucket_tables))
-    return PlanTable(arch, str(catalog["hash"]), kernels, schema, MappingProxyType(plans), MappingProxyType(keys),
-                     MappingProxyType(dict(body.get("provenance", {}))))
+        keys[key] = KeyTable(key, base, kd.count("cases"), MappingProxyType(bucket_tables))
+    provenance = body.fields("provenance", {})
+    for sources in ("kernel_sources", "grouping_sources"):  # what PlanTable.sources_mismatch compares
+        value = provenance.get(sources, None)
+        if not (value is None or isinstance(value, str)
+                or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
+            raise fail(f"{provenance.where(sources)} is {shown(value)}, expected a hash or a list of hashes")
+    return PlanTable(arch, built_against, kernels, schema, MappingProxyType(plans), MappingProxyType(keys),
+                     MappingProxyType(dict(provenance.data)))
 
 
-def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mapping[str, PhysicalPlan],
-                 base: str | None, allowed_stats: set[int], fail) -> BucketTable:
+def bucket_of_text(text: str) -> tuple[int, int] | None:
+    """``"2,3"`` -> ``(2, 3)``; None for anything else."""
+    parts = text.split(",")  # indices are a digit or two: nine keep int() cheap and out-of-range honest
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 9 for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def build_bucket(key: str, bucket: tuple[int, int], label: str, bd: Fields, plans: Mapping[str, PhysicalPlan],
+                 base: str | None, allowed_stats: set[int], fail: Fail) -> BucketTable:
     regimes = []
-    for index, rd in enumerate(bd["regimes"]):
+    for index, rd in enumerate(bd.records("regimes")):
         ranking = []
-        for entry in rd["ranking"]:
+        for j, entry in enumerate(rd.array("ranking")):
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+                raise fail(f"regime {index}: ranking entry {j} is {shown(entry)}, expected a [plan, latency] pair")
             name, gm = entry
             if name not in plans:
                 raise fail(f"regime {index} ranks unknown plan {name!r}")
-            if gm is not None and not (isinstance(gm, (int, float)) and math.isfinite(gm) and gm > 0):
-                raise fail(f"regime {index}: latency {gm!r} of {name} is not a positive number")
-            ranking.append(RankedPlan(str(name), None if gm is None else float(gm)))
+            latency = None if gm is None else finite_number(gm)
+            if gm is not None and not (latency is not None and latency > 0):
+                raise fail(f"regime {index}: latency {shown(gm)} of {name} is not a positive number")
+            ranking.append(RankedPlan(name, latency))
         if not ranking:
             raise fail(f"regime {index} has an empty ranking")
         if base is not None and ranking[-1].plan != base:
             raise fail(f"regime {index} does not end with the key's base plan {base}")
-        fit_regret = rd.get("fit_regret", 1.0)  # optional: tables built before it have none
-        if not (isinstance(fit_regret, (int, float)) and math.isfinite(fit_regret) and fit_regret >= 1.0):
-            raise fail(f"regime {index}: fit_regret {fit_regret!r} is not a number >= 1")
-        contenders = tuple(str(c) for c in rd.get("contenders", ()))
+        raw_regret = rd.get("fit_regret", 1.0)  # optional: tables built before it have none
+        fit_regret = finite_number(raw_regret)
+        if fit_regret is None or fit_regret < 1.0:
+            raise fail(f"regime {index}: fit_regret {shown(raw_regret)} is not a number >= 1")
+        contenders = rd.texts("contenders", [])
         unknown = [c for c in contenders if c not in plans]
         if unknown:
             raise fail(f"regime {index} names unknown contender {unknown[0]!r}")
         schedules = tuple(build_schedule_rule(sd, plans, allowed_stats,
                                               lambda what, i=index, j=j: fail(f"regime {i} schedule rule {j}: {what}"))
-                          for j, sd in enumerate(rd.get("schedules", ())))
-        choice = rd.get("choice")  # optional: tables built before 2026-11-30 derive it (Regime)
+                          for j, sd in enumerate(rd.records("schedules", [])))
+        choice = rd.text("choice", None)  # optional: tables built before 2026-11-30 derive it (Regime)
         if choice is not None and choice not in CHOICES:
             raise fail(f"regime {index}: choice {choice!r} is not one of {CHOICES}")
         plan_rule = None
-        if "plan_rule" in rd:
-            plan_rule = build_schedule_rule(rd["plan_rule"], plans, allowed_stats,
+        if "plan_rule" in rd.data:
+            plan_rule = build_schedule_rule(rd.fields("plan_rule"), plans, allowed_stats,
                                             lambda what, i=index: fail(f"regime {i} plan rule: {what}"),
                                             same_tile=False)
         if (choice == "plan_rule") != (plan_rule is not None):
@@ -565,42 +747,43 @@ def build_bucket(key: str, bucket: tuple, label: str, bd: Mapping, plans: Mappin
         if (choice == "calibrated") != bool(calibration):
             raise fail(f"regime {index}: a calibration goes with choice 'calibrated' and only with it "
                        f"(choice {choice!r}, {len(calibration)} calibrated plans)")
-        regimes.append(Regime(key, label, index, str(rd["rule"]), int(rd["cases"]), tuple(ranking),
-                              float(fit_regret), contenders, schedules, choice, plan_rule, calibration))
+        regimes.append(Regime(key, label, index, rd.text("rule"), rd.count("cases"), tuple(ranking),
+                              fit_regret, contenders, schedules, choice, plan_rule, calibration))
     nodes = []
-    for i, nd in enumerate(bd["tree"]):
-        if "regime" in nd:
-            r = int(nd["regime"])
-            if not 0 <= r < len(regimes):
+    for i, nd in enumerate(bd.records("tree")):
+        if "regime" in nd.data:
+            r = nd.count("regime")
+            if r >= len(regimes):
                 raise fail(f"tree node {i} points at regime {r}, there are {len(regimes)}")
             nodes.append(TreeNode(regime=r))
         else:
             stat, threshold = stat_threshold(nd, allowed_stats, lambda what, i=i: fail(f"tree node {i} {what}"))
-            left, right = int(nd["left"]), int(nd["right"])
-            nodes.append(TreeNode(stat, threshold, left, right))
+            nodes.append(TreeNode(stat, threshold, nd.count("left"), nd.count("right")))
     check_tree(nodes, len(regimes), fail)
-    return BucketTable(key, bucket, label, int(bd["cases"]), int(bd["depth"]), RegimeTree(tuple(nodes)),
+    return BucketTable(key, bucket, label, bd.count("cases"), bd.count("depth"), RegimeTree(tuple(nodes)),
                        tuple(regimes))
 
 
-def stat_threshold(d: Mapping, allowed_stats: set[int], fail) -> tuple[int, float]:
+def stat_threshold(d: Fields, allowed_stats: set[int], fail: Fail) -> tuple[int, float]:
     """The ``"stat"`` (an index into the Stat vector, one the schema allows) and the finite ``"le"``
     of a tree node or a schedule rule."""
-    stat = STAT_NAMES.index(str(d["stat"])) if d["stat"] in STAT_NAMES else -1
+    name = d.text("stat")
+    stat = STAT_NAMES.index(name) if name in STAT_NAMES else -1
     if stat not in allowed_stats:
-        raise fail(f"tests {d['stat']!r}, not in the feature schema")
-    threshold = float(d["le"])
-    if not math.isfinite(threshold):
-        raise fail(f"has threshold {threshold}")
+        raise fail(f"tests {name!r}, not in the feature schema")
+    le = d.get("le")
+    threshold = finite_number(le)
+    if threshold is None:
+        raise fail(f"has threshold {shown(le)}, expected a finite number")
     return stat, threshold
 
 
-def build_schedule_rule(sd: Mapping, plans: Mapping[str, PhysicalPlan], allowed_stats: set[int],
-                        fail, same_tile: bool = True) -> ScheduleRule:
+def build_schedule_rule(sd: Fields, plans: Mapping[str, PhysicalPlan], allowed_stats: set[int],
+                        fail: Fail, same_tile: bool = True) -> ScheduleRule:
     """A schedule rule (``same_tile``: its two plans differ only in their task organization) or a
     regime's plan rule (any two plans)."""
     stat, threshold = stat_threshold(sd, allowed_stats, fail)
-    below, above = str(sd["below"]), str(sd["above"])
+    below, above = sd.text("below"), sd.text("above")
     for name in (below, above):
         if name not in plans:
             raise fail(f"names unknown plan {name!r}")
@@ -608,32 +791,33 @@ def build_schedule_rule(sd: Mapping, plans: Mapping[str, PhysicalPlan], allowed_
         raise fail(f"chooses {below} on both sides")
     if same_tile and tile_group(plans[below]) != tile_group(plans[above]):
         raise fail(f"{below} and {above} are not one tile group (they differ in more than their task organization)")
-    cases = tuple(int(c) for c in sd["cases"])
+    cases = sd.counts("cases")
     if len(cases) != 2 or min(cases) < 1:
         raise fail(f"cases {list(cases)} is not two positive counts")
-    return ScheduleRule(stat, threshold, below, above, cases)  # type: ignore[arg-type]
+    return ScheduleRule(stat, threshold, below, above, (cases[0], cases[1]))
 
 
-def parse_calibration(entries: Any, plans: Mapping[str, PhysicalPlan], fail) -> tuple[tuple[str, float], ...]:
+def parse_calibration(entries: Any, plans: Mapping[str, PhysicalPlan], fail: Fail) -> tuple[tuple[str, float], ...]:
     """A regime's ``calibration``: ``[[plan, scale], ...]``, known plans, each once, positive finite scales."""
     if not isinstance(entries, (list, tuple)):
-        raise fail(f"calibration {entries!r} is not a list of [plan, scale] pairs")
+        raise fail(f"calibration ({shown(entries)}) is not a list of [plan, scale] pairs")
     calibration: list[tuple[str, float]] = []
     for entry in entries:
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
-            raise fail(f"calibration entry {entry!r} is not a [plan, scale] pair")
-        name, scale = entry
+            raise fail(f"calibration entry ({shown(entry)}) is not a [plan, scale] pair")
+        name, raw_scale = entry
         if not isinstance(name, str) or name not in plans:
-            raise fail(f"calibration names unknown plan {name!r}")
+            raise fail(f"calibration names unknown plan {quoted(name)}")
         if any(name == known for known, _ in calibration):
             raise fail(f"calibration names {name} twice")
-        if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-            raise fail(f"calibration scale {scale!r} of {name} is not a positive number")
-        calibration.append((str(name), float(scale)))
+        scale = finite_number(raw_scale)
+        if scale is None or scale <= 0:
+            raise fail(f"calibration scale {quoted(raw_scale)} of {name} is not a positive number")
+        calibration.append((name, scale))
     return tuple(calibration)
 
 
-def check_tree(nodes: list[TreeNode], n_regimes: int, fail) -> None:
+def check_tree(nodes: list[TreeNode], n_regimes: int, fail: Fail) -> None:
     """Root at 0, children after their parent, every node reached once, every regime a leaf once."""
     if not nodes:
         raise fail("empty tree")
@@ -653,16 +837,81 @@ def check_tree(nodes: list[TreeNode], n_regimes: int, fail) -> None:
 
 # -- loading -------------------------------------------------------------------------------------
 
+# A table file larger than this is refused unread (the shipped tables are about 100 KB).
+MAX_TABLE_BYTES = 64 << 20
+# Digits of the longest integer a table may hold: keeps JSON parsing linear whatever
+# ``sys.set_int_max_str_digits`` allows (a table's ints are counts, sizes and timestamps).
+MAX_INT_DIGITS = 64
+
+
 def load_plan_table(path: str | Path) -> PlanTable:
     """Read and validate a table file. Raises ``PlanTableError`` (with the path) on any problem."""
     path = Path(path)
+    text = read_table_text(path)
     try:
-        data = json.loads(path.read_text())
-    except OSError as err:
-        raise PlanTableError(f"{path}: cannot read plan table ({err})") from err
+        data = json.loads(text, parse_int=json_int, parse_float=json_float, parse_constant=json_constant)
+    except RecursionError as err:
+        raise PlanTableError(f"{path}: corrupt plan table, JSON nested too deeply") from err
     except json.JSONDecodeError as err:
         raise PlanTableError(f"{path}: corrupt plan table, not JSON ({err})") from err
+    except ValueError as err:  # from the number hooks below
+        raise PlanTableError(f"{path}: corrupt plan table, {err}") from err
     return PlanTable.from_dict(data, source=str(path))
+
+
+def read_table_text(path: Path) -> str:
+    """The file's text, refused before it is read when it is not a regular file (a FIFO would block)
+    or is larger than ``MAX_TABLE_BYTES``."""
+    try:
+        info = path.stat()
+        if not S_ISREG(info.st_mode):
+            raise PlanTableError(f"{path}: cannot read plan table (not a regular file)")
+        if info.st_size > MAX_TABLE_BYTES:
+            raise PlanTableError(f"{path}: plan table of {info.st_size} bytes, larger than MAX_TABLE_BYTES "
+                                 f"({MAX_TABLE_BYTES} bytes); not read")
+        with path.open("rb") as file:
+            raw = read_at_most(file, MAX_TABLE_BYTES + 1)  # stat sizes can lie: /proc, a file that grew
+    except OSError as err:
+        raise PlanTableError(f"{path}: cannot read plan table ({err})") from err
+    if len(raw) > MAX_TABLE_BYTES:
+        raise PlanTableError(f"{path}: plan table larger than MAX_TABLE_BYTES ({MAX_TABLE_BYTES} bytes)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PlanTableError(f"{path}: corrupt plan table, not UTF-8 text ({err})") from err
+
+
+def read_at_most(file: BinaryIO, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``file``, in chunks (one ``read(limit)`` would allocate ``limit`` bytes
+    at once, whatever the file holds)."""
+    parts: list[bytes] = []
+    size = 0
+    while size < limit:
+        part = file.read(min(1 << 20, limit - size))
+        if not part:
+            break
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts)
+
+
+# Number hooks of ``json.loads``: a table holds finite numbers and short ints only.
+
+def json_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of the float range")
+    return value
+
+
+def json_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 @dataclass(frozen=True)
@@ -695,7 +944,7 @@ def load_table_file(path: str) -> TableLoad:
     only when the file changes."""
     try:
         stamp = os.stat(path).st_mtime_ns
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in the path
         return TableLoad(None, None, None)
     return load_table_version(path, stamp)
 
