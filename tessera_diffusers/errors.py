@@ -6,6 +6,8 @@ traceback from deep inside a diffusers pipeline knows which call to fix.
 
 from __future__ import annotations
 
+import reprlib
+import sys
 from typing import Any
 
 
@@ -54,8 +56,26 @@ class NativeKernelError(TesseraError):
 
 
 def describe_tensor(t: Any) -> str:
-    """Short human description of a tensor for error messages."""
-    try:
+    """Short description of a would-be tensor for error messages, never the values of a large one:
+    ``tensor(shape=..., dtype=..., device=...)``, ``numpy.ndarray(shape=..., dtype=...)``, another
+    array type by its module and name, anything else by its type and a repr cut to ~80 characters."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(t, torch.Tensor):
         return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device})"
-    except AttributeError:
-        return f"{type(t).__name__} {t!r}"
+    kind = type(t)
+    shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
+    if shape is not None and dtype is not None:  # numpy, cupy, jax, ... (no import needed)
+        package = kind.__module__.split(".")[0]
+        try:
+            shape = tuple(shape)
+        except TypeError:
+            pass
+        device = None if package == "numpy" else getattr(t, "device", None)  # numpy: always host
+        where = "" if device is None or callable(device) else f", device={device}"
+        name = f"{package}.{kind.__name__}"
+        return f"{name}(shape={shape}, dtype={dtype}{where})"
+    # reprlib abbreviates containers before printing them and survives a broken __repr__.
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = short.maxlong = 80
+    text = short.repr(t)
+    return f"{kind.__name__} {text if len(text) <= 80 else text[:77] + '...'}"

@@ -4,6 +4,12 @@ It is the CPU twin of the CUDA kernels: the same tiles, the same membership mask
 online softmax and the same split-K partial states and merge. Query tiles are processed together
 (vectorized), KV tile positions one after another. In the grouped query layout a tile's rows are
 gathered from their tokens first and its outputs scattered back, as the kernels do.
+
+Non-finite values follow the oracle (``reference.attention``) exactly, row by row: a row whose
+active scores are all -inf (or that has no active key) gives 0 and lse -inf; a row with a +inf
+active score gives NaN and lse +inf (the softmax is inf/inf, as in dense attention); a NaN active
+score (a NaN in q or in an active key) gives NaN and lse NaN. Columns past ``Skv`` read zeros, as
+the kernels' zero-filled loads do.
 """
 
 from __future__ import annotations
@@ -82,7 +88,9 @@ def run_head(
     q_pad = torch.zeros(n_qt * tq, head_dim, dtype=torch.float32, device=device)
     q_pad[:seq_q] = q.float()
     q_tiles = q_pad.view(n_qt, tq, head_dim)
-    kf, vf = k.float(), v.float()
+    # Row seq_kv is a zero row: slot columns past the sequence read it (the kernels zero-fill them).
+    zero_row = torch.zeros(1, head_dim, dtype=torch.float32, device=device)
+    kf, vf = torch.cat([k.float(), zero_row]), torch.cat([v.float(), zero_row])  # [Skv + 1, D]
 
     counts = prepared.tile_counts[mb, mh].to(torch.int64)  # [nQT]
     per = (counts + plan.tasks.num_splits - 1) // plan.tasks.num_splits
@@ -104,12 +112,13 @@ def run_head(
         slot_start = prepared.tile_slots[mb, mh, :, pos].to(torch.int64)  # [nQT, S]
         tokens = slot_start[:, col_slot] + col_offset  # [nQT, tk]
         col_ok = (slot_start[:, col_slot] >= 0) & (tokens < seq_kv)
-        tokens = torch.where(col_ok, tokens, torch.zeros_like(tokens))
+        tokens = torch.where(col_ok, tokens, torch.full_like(tokens, seq_kv))
         member = prepared.tile_member[mb, mh, :, pos]  # [nQT] int64
         allowed = ((member.view(-1, 1, 1) >> bit) & 1).bool() & col_ok.unsqueeze(1) & live.view(-1, 1, 1)
 
         scores = torch.einsum("tqd,tkd->tqk", q_tiles, kf[tokens]) * scale
         scores = scores.masked_fill(~allowed, NEG_INF)
+        # NaN propagates through the running max; rows whose max is not finite are settled below.
         m_new = torch.maximum(m, scores.amax(-1))
         safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         p = torch.exp(scores - safe.unsqueeze(-1))
@@ -118,20 +127,29 @@ def run_head(
         acc = acc * alpha.unsqueeze(-1) + torch.einsum("tqk,tkd->tqd", p, vf[tokens])
         m = m_new
 
-    has_key = l > 0
-    out = torch.where(has_key.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
-    lse = torch.where(has_key, m + torch.log(l.clamp_min(1e-30)), torch.full_like(m, NEG_INF))
+    # A finite max means an ordinary row (then l >= 1: its max term is exp(0)).
+    has_key = torch.isfinite(m)
+    out = torch.where(has_key.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), non_finite_rows(m, acc))
+    lse = torch.where(has_key, m + torch.log(l.clamp_min(1e-30)), m)
     return out.reshape(n_qt * tq, head_dim)[:seq_q], lse.reshape(-1)[:seq_q]
+
+
+def non_finite_rows(row_max: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Output of rows whose max score is not finite, shaped ``like`` (``row_max`` + a D axis):
+    0 where the max is -inf (no active key), NaN where it is +inf or NaN (softmax undefined)."""
+    empty = (row_max == NEG_INF).unsqueeze(-1)
+    return torch.where(empty, torch.zeros_like(like), torch.full_like(like, math.nan))
 
 
 def merge_splits(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split-K partial states. ``o_parts [ns, ..., D]`` normalized partial outputs,
-    ``lse_parts [ns, ...]``; returns ``out [..., D]`` and ``lse [...]`` (0 / -inf for empty rows)."""
-    lse_max = lse_parts.amax(0)
+    ``lse_parts [ns, ...]``; returns ``out [..., D]`` and ``lse [...]`` (0 / -inf for empty rows;
+    NaN / +inf where a part saw a +inf score, NaN / NaN where one saw a NaN score)."""
+    lse_max = lse_parts.amax(0)  # NaN if any part is NaN
     finite = torch.isfinite(lse_max)
     safe = torch.where(finite, lse_max, torch.zeros_like(lse_max))
     w = torch.exp(lse_parts - safe)  # [ns, ...]; exp(-inf) = 0 for empty parts
     total = w.sum(0)
     out = (w.unsqueeze(-1) * o_parts).sum(0) / torch.where(finite, total, torch.ones_like(total)).unsqueeze(-1)
     lse = torch.where(finite, safe + torch.log(torch.where(finite, total, torch.ones_like(total))), lse_max)
-    return torch.where(finite.unsqueeze(-1), out, torch.zeros_like(out)), lse
+    return torch.where(finite.unsqueeze(-1), out, non_finite_rows(lse_max, out)), lse

@@ -33,10 +33,29 @@ def check_block_size(name: str, value: int) -> int:
     return value
 
 
-def check_seq_len(name: str, value: int) -> int:
+def check_positive_int(name: str, value: int) -> int:
+    """Validate a count (sequence length, batch, heads): a positive int, not a bool or a float."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise MaskError(name, "a positive int", repr(value))
     return value
+
+
+check_seq_len = check_positive_int
+
+
+def check_index_tensor(name: str, value: torch.Tensor, expected: str) -> torch.Tensor:
+    """Validate a block-index tensor: a torch tensor of an integer dtype (a float index would be
+    truncated silently, a bool one read as 0/1)."""
+    if not isinstance(value, torch.Tensor):
+        raise MaskError(name, f"an integer torch.Tensor {expected}", describe_tensor(value))
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise MaskError(name, "an integer dtype (torch.int32 or torch.int64)", value.dtype)
+    return value
+
+
+def check_same_device(names: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.device != b.device:
+        raise MaskError(names, "tensors on one device", f"{a.device} and {b.device}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,6 +155,13 @@ class LogicalMask:
             kv_indices: ``[B|1, H|1, nQ, L]`` int, the first ``kv_num_blocks`` entries of each row
                 are active KV block indices; the rest is ignored.
         """
+        check_block_size("block_q", block_q)
+        check_block_size("block_kv", block_kv)
+        n_q = math.ceil(check_seq_len("seq_len_q", seq_len_q) / block_q)
+        n_kv = math.ceil(check_seq_len("seq_len_kv", seq_len_kv) / block_kv)
+        check_index_tensor("kv_num_blocks", kv_num_blocks, "[B|1, H|1, nQ]")
+        check_index_tensor("kv_indices", kv_indices, "[B|1, H|1, nQ, L]")
+        check_same_device("kv_num_blocks/kv_indices", kv_num_blocks, kv_indices)
         if kv_num_blocks.dim() != 3 or kv_indices.dim() != 4:
             raise MaskError(
                 "kv_num_blocks/kv_indices",
@@ -144,10 +170,14 @@ class LogicalMask:
             )
         if tuple(kv_indices.shape[:3]) != tuple(kv_num_blocks.shape):
             raise MaskError("kv_indices", f"leading shape {tuple(kv_num_blocks.shape)}", tuple(kv_indices.shape))
-        n_kv = math.ceil(seq_len_kv / block_kv)
+        if kv_num_blocks.shape[2] != n_q:
+            raise MaskError("kv_num_blocks", f"nQ = ceil({seq_len_q}/{block_q}) = {n_q} rows", tuple(kv_num_blocks.shape))
         b, h, n_q, width = kv_indices.shape
+        counts = kv_num_blocks.to(torch.long)
+        if bool(((counts < 0) | (counts > width)).any()):
+            raise MaskError("kv_num_blocks", f"counts in [0, L = {width}]", "a count out of range")
         slot = torch.arange(width, device=kv_indices.device)
-        valid = slot.view(1, 1, 1, -1) < kv_num_blocks.unsqueeze(-1).to(torch.long)
+        valid = slot.view(1, 1, 1, -1) < counts.unsqueeze(-1)
         idx = kv_indices.to(torch.long)
         if bool(((idx < 0) | (idx >= n_kv))[valid].any()):
             raise MaskError("kv_indices", f"block indices in [0, {n_kv})", "an index out of range")
@@ -177,6 +207,11 @@ class LogicalMask:
         """
         n_q = math.ceil(check_seq_len("seq_len_q", seq_len_q) / check_block_size("block_q", block_q))
         n_kv = math.ceil(check_seq_len("seq_len_kv", seq_len_kv) / check_block_size("block_kv", block_kv))
+        check_positive_int("batch", batch)
+        check_positive_int("heads", heads)
+        check_index_tensor("row_offsets", row_offsets, "[batch * heads * nQ + 1]")
+        check_index_tensor("col_indices", col_indices, "[row_offsets[-1]]")
+        check_same_device("row_offsets/col_indices", row_offsets, col_indices)
         rows = batch * heads * n_q
         if row_offsets.dim() != 1 or row_offsets.numel() != rows + 1:
             raise MaskError("row_offsets", f"1-D with batch*heads*nQ+1 = {rows + 1} entries", describe_tensor(row_offsets))
