@@ -24,3 +24,35 @@ echo "=== wan front door $(date +%T)"
 timeout 175 python3 benchmarks/diffusion_loop.py --out $OUT/wan --models wan --systems dense,one-liner,attach --steps 3 --max-minutes 2.2 > $OUT/wan.log 2>&1; echo "loop rc=$?"
 grep "^|" $OUT/wan.log
 echo "=== done $(date +%T)"
+
+# Session call 2: the model-size buckets under the real catalog (explain), every GPU test with the
+# reliability changes, and memcheck over the native launch path.
+source .device_build/env.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $OUT/env.txt
+python3 -c "import torch; print(torch.__version__, torch.version.cuda)" >> $OUT/env.txt
+echo "=== explain $(date +%T)"
+for a in "40 75600" "40 32760" "12 75600" "12 32760" "16 111600" "16 49290"; do set -- $a
+  python3 -m tessera_diffusers.cli explain --geometry Q384K384 --heads $1 --seq $2 --density 0.15 --mask banded 2>&1 | head -8
+  echo; done > $OUT/explain.txt
+grep -E "^(request|regime|chosen|note)" $OUT/explain.txt | cut -c1-150
+echo "=== reliability gpu $(date +%T)"
+timeout 150 python3 -m pytest -m gpu tests/test_runtime_reliability_gpu.py tests/test_processor_guards.py -q -s -p no:cacheprovider > $OUT/reliability_gpu.log 2>&1; echo "rc=$?"
+grep -E "device memory|passed|failed|Error" $OUT/reliability_gpu.log | tail -5
+echo "=== gpu tests $(date +%T)"
+timeout 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider --ignore=tests/test_runtime_reliability_gpu.py > $OUT/gpu_tests.log 2>&1; echo "rc=$?"; tail -3 $OUT/gpu_tests.log
+echo "=== memcheck $(date +%T)"
+CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+timeout 110 $CS --tool memcheck python3 benchmarks/sanitize_check.py > $OUT/memcheck.log 2>&1; echo "rc=$?"; tail -2 $OUT/memcheck.log
+echo "=== done $(date +%T)"
+
+# Session call 3: the front door at full depth on the final code: Wan2.1-14B and HunyuanVideo-1.5 720p,
+# dense / one-liner / attach side by side per model.
+source .device_build/env.sh
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv; python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)"; } > $OUT/env.txt
+echo "=== wan front door $(date +%T)"
+timeout 200 python3 benchmarks/diffusion_loop.py --out $OUT/wan --models wan --systems dense,one-liner,attach --steps 3 --max-minutes 2.6 > $OUT/wan.log 2>&1; echo "loop rc=$?"
+grep "^|" $OUT/wan.log
+echo "=== hv15 front door $(date +%T)"
+timeout 320 python3 benchmarks/diffusion_loop.py --out $OUT/hv15 --models hv15 --systems dense,one-liner,attach --steps 3 --max-minutes 4.6 > $OUT/hv15.log 2>&1; echo "loop rc=$?"
+grep "^|" $OUT/hv15.log
+echo "=== done $(date +%T)"
