@@ -44,16 +44,14 @@ def row_union_stats(plans: Sequence[PhysicalPlan], block_q: int, state) -> dict[
 
 
 # Throughput on the computed (scheduled) area of unmasked tiles by family and (tile_q, tile_kv, warps),
-# TFLOP/s, measured on one H200 (bf16, D=128, N=32768, H=24, ~10% corpus masks; benchmarks/results/).
+# TFLOP/s, measured on one H200 (bf16, D=128, N=32768, H=24, ~10% corpus masks; docs/results.md).
 # A profiled plan table replaces these rankings; other GPUs scale them by their dense rate.
 TILE_TFLOPS = {
     Family.PORTABLE: {(128, 64, 4): 310.0, (128, 64, 8): 280.0, (128, 128, 8): 288.0, (64, 64, 4): 245.0,
                       (64, 128, 4): 215.0},
-    # The TMA + warp-specialized Hopper family: direct plans on Q128K128 / Q128K64 and refined ones
-    # (64-row tiles) on Q128K128 in benchmarks/results/h200_kernels_n32k_tma; the 64x64 tile (two
-    # CTAs per SM): 418-524 on direct Q64K64 plans (benchmarks/results/h200_kernels_tile64), 500
-    # fitted on the profiling split, where the cost model arbitrates the mixed Q64K64 / Q64K32
-    # regimes (GM regret 1.006 on those 41 cases; 490 gave 1.020, 510 gave 1.020).
+    # The Hopper family from kernel studies of direct and refined plans; the 64x64 tile (two CTAs
+    # per SM) fitted on the profiling split, where the cost model arbitrates the mixed Q64K64 /
+    # Q64K32 regimes.
     Family.HOPPER: {(128, 128, 8): 576.0, (128, 64, 8): 452.0, (64, 128, 4): 383.0, (64, 64, 4): 500.0},
 }
 # Slowdown of tiles that need membership masking (coarsened / packed / regridded), same measurements.

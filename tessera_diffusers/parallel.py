@@ -77,12 +77,9 @@ if TYPE_CHECKING:
     from .processors.context import ForwardContext, ModuleRoute
 
 
-# Head chunks per rank of the pipelined exchange. On 2 x H200 (NV18), Wan2.1 720p attention with
-# the mask reused, over copy engines: 2 chunks 0.905 efficiency (0.865-0.919 over nine runs), 4
-# chunks 0.867, 1 chunk 0.859 (NCCL in the same run: 0.776 at 2 chunks;
-# benchmarks/results/h200x2_cp_scaling_local_copies). Chunks of
-# uneven size (weights) lost in every run there. Each chunk's packing copies and token permutations
-# are kernels, which cannot overlap a persistent attention kernel that holds every SM.
+# Head chunks per rank of the pipelined exchange: two scaled best on 2 x H200 (docs/results.md,
+# "Design decisions"). Each chunk's packing copies and token permutations are kernels, which cannot
+# overlap a persistent attention kernel that holds every SM, so more chunks cost more.
 DEFAULT_HEAD_CHUNKS = 2
 
 # How the all-to-alls move: "copy_engine" (peer-mapped buffers pulled by the copy engines, one host;

@@ -1,10 +1,8 @@
 """All-to-all by the GPUs' copy engines, for the ranks of one host (Ulysses' exchange without NCCL).
 
 NCCL moves an all-to-all with kernels: its copies compete for the SMs that Tessera's persistent
-attention kernels hold. On 2 x H200 (NV18) a copy engine pulled a 96.8 MB head-chunk piece over
-NVLink at 344 GB/s each way against NCCL's 269 GB/s, the four all-to-alls of one Wan2.1 720p
-attention took 3.24 ms against 4.26 ms, and the attention scaled at 0.872 against 0.771
-(``benchmarks/results/h200x2_cp_scaling_copy_engine``).
+attention kernels hold, while copy engines leave them alone (on 2 x H200 the exchange was faster
+and attention scaled better over copy engines; docs/results.md, "Design decisions").
 
 Every rank stages the pieces it sends in a peer-mapped buffer (PyTorch symmetric memory, CUDA
 backend, multicast off); each peer pulls its piece with a copy. Ranks signal each other with stream

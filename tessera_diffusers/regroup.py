@@ -39,14 +39,13 @@ The pick weighs both sides of the difference: the blocks a candidate would add t
 the union's blocks it lacks. Counting only the first favoured rows with few key blocks over rows
 like the seed's, which then had to join worse groups. The torch code takes ``lack_weight`` w
 (``LACK_WEIGHT``, 1, is the kernel's): the pick's count is popcount(row[c] & ~union) + w *
-popcount(union & ~row[c]); w = 0 counts only the added blocks. A study of the choice,
-``benchmarks/grouping_criterion.py``, compares them (``benchmarks/results/grouping_criterion_cpu.md``).
+popcount(union & ~row[c]); w = 0 counts only the added blocks (compared in docs/results.md,
+"Design decisions").
 
 Segments cost little, since a group takes rows near its seed: ``DEFAULT_SEGMENT`` is the smallest
 of 128, 256 and 512 blocks that scheduled at most 1% more key blocks than one segment per head on
-every (family, source, g) of the corpus at N = 32k (Q16K16, Q32K16 and Q32K32, g = 2 .. 8, three
-cases each; at most +0.8% at 128, and up to -4.8% where a boundary helped the greedy:
-``benchmarks/results/segment_sweep_cpu.md``, ``benchmarks/grouping_segments.py``).
+every (family, source, g) of the corpus at N = 32k (Q16K16, Q32K16 and Q32K32, g = 2 .. 8;
+docs/results.md, "Design decisions").
 
 ``g = 1`` gives the natural order. ``group_query_blocks`` runs the CUDA kernel for a CUDA tensor
 when the loaded library has it and ``TESSERA_NATIVE_PREPARE`` is not ``"0"``; otherwise (and for a

@@ -538,13 +538,9 @@ def estimate_with(estimator: PlanEstimator, state: MaskState) -> list[float]:
 
 
 # Query blocks of at most this many rows are regrouped by key set (the grouped query layout) when
-# the chosen plan is a Hopper one whose query tile covers several of them. Measured on an H200
-# (benchmarks/results/h200_grouped_layout, the table's plan on five evaluation sources per family at
-# N = 32,768): kernel time grouped / natural, geometric mean 0.846 on Q16K16, 0.863 on Q32K16,
-# 0.957 on Q32K32 (0.70-1.01 per case); the grouping cost 0.8-2.0 ms once per mask then (0.17-0.31
-# ms in 128-block segments, h200_reused_table). The earlier study of 64-row blocks
-# (h200_query_regrouping) gained 0.89-1.00 on one source of five. The rule serves tables without a
-# ``/reused`` key (Selector.reused_plan).
+# the chosen plan is a Hopper one whose query tile covers several of them: there grouping saved
+# 4-15% of kernel time on the H200, on 64-row blocks next to nothing (docs/results.md, "Design
+# decisions"). The rule serves tables without a ``/reused`` key (Selector.reused_plan).
 GROUPED_MAX_BLOCK_Q = 32
 GROUP_QUERIES_ENV = "TESSERA_GROUP_QUERIES"  # "0": never, "1": every plan that can, unset: the rule
 

@@ -132,11 +132,8 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
     and timed) outside its timed span: other work, such as the projections that run between the
     attention calls of a model, so that each kernel is timed in that context.
 
-    Until 2026-11-30 each round started one kernel later ("rotated"), so a kernel nearly always
-    followed the same one, and whatever that one leaves behind (L2 contents, power draw) would bias
-    every sample alike; shuffled rounds keep any such effect from being the same in every sample. (On
-    the H200 the ratio of two tiles did not move with the other plans of the batch, nor with a GEMM
-    before every launch: ``benchmarks/results/h200_batch_context``.)"""
+    Rounds are shuffled: with a fixed rotation a kernel nearly always follows the same one, and what
+    that one leaves behind (L2 contents, power draw) would bias every sample alike."""
     check_counts(warmup, reps)
     if not runs:
         return []

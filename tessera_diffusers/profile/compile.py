@@ -130,13 +130,8 @@ class CompileOptions:
     features: FeatureSchema = field(default_factory=FeatureSchema)
     min_leaf: int = 32  # cases per leaf (regime) at least
     # The same for the ``/reused`` keys (masks that come back), whose profiles hold fewer cases per
-    # key (25-150 on the H200): at 32 a key of fewer than 64 cases cannot split at all. With 20,
-    # Q32K32/reused split on the mean run length in that profile and its held-out (leave-one-source-
-    # out) regret fell from 1.103 to 1.010, while the natural keys split at 20 did no better on
-    # held-out masks (benchmarks/results/h200_reprofile_q_registers). The two profiles since
-    # (h200_reprofile_slot_spans, and h200_deferred_release, which the shipped table comes from)
-    # found no split of that key better than none, so it has one regime there. None: ``min_leaf``;
-    # never above it.
+    # key: at 32 a key of fewer than 64 cases cannot split at all (docs/results.md, "Design
+    # decisions"). None: ``min_leaf``; never above it.
     min_leaf_reused: int | None = 20
     max_depth: int = 4
     folds: int = 5

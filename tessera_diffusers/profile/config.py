@@ -56,10 +56,8 @@ class ProfileConfig:
     contender_regret: float = 1.2
     # Validate every plan of a case first, then time them in turn with the GPU kept busy from the
     # first warm-up to the last sample (bench.timing.time_interleaved); abandon_factor does not
-    # apply. False: each plan right after its own validation (warmup + reps), the only method
-    # before 2026-11-30, whose times depend on the plan's place in the order by up to +-10%
-    # (benchmarks/results/h200_timing_spread): one run's fastest plan was 1.013-1.017x the
-    # fastest of a repeat run on 20 cases, against 1.000-1.003x with interleaving.
+    # apply. False: each plan right after its own validation (warmup + reps), whose times depend on
+    # the plan's place in the order (docs/results.md, "Design decisions").
     interleave: bool = True
     # With interleave: a dense bf16 context_gemm^3 GEMM launched before every timed kernel, outside
     # its timed span (bench.timing.gemm_context), so that every plan meets the clock and L2 state of a

@@ -73,8 +73,7 @@ class Progress:
 
 
 def read_records(paths: Iterable[str | Path], skipped: list | None = None) -> Iterator[dict]:
-    """Every record of the given files (gzipped where the name ends in ``.gz``, as the records kept
-    under ``benchmarks/results/`` are). A line that is not JSON (a run killed mid-write) is skipped
+    """Every record of the given files (gzipped where the name ends in ``.gz``). A line that is not JSON (a run killed mid-write) is skipped
     and counted in ``skipped`` when given."""
     for path in paths:
         path = Path(path)
