@@ -105,7 +105,9 @@ class TesseraProcessor(torch.nn.Module):
     the pipeline's ``cache_context`` and end-of-run reset reach its hook (see ``context.py``). One
     instance may serve several transformers (Wan2.2's ``transformer`` and ``transformer_2``, two
     pipelines): each keeps its own layers, steps, masks and plans, one's end of run leaves the
-    others' alone, and ``stats()`` reports their totals.
+    others' alone, and ``stats()`` reports their totals. It follows one forward at a time: pipelines
+    that run in parallel threads each need a processor of their own (its ``Runtime``\ s, and
+    ``tessera_diffusers.Runtime`` in general, may be shared between threads).
 
     Args:
         sparsifier: makes the video masks; None: the per-model default (``default_sparsifier``).

@@ -126,6 +126,15 @@ class Runtime:
     _reuse_decided: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
+    def __getstate__(self) -> dict:  # a copy (``copy.deepcopy`` of a model holding one) gets its own lock
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     def prepared_for(self, mask: LogicalMask, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
         """The cached or newly prepared plan for ``(mask, request)``; None means the reference oracle."""
         key = (id(mask), request, plan)
