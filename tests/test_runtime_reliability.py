@@ -191,3 +191,16 @@ def test_native_lib_override_must_be_a_tessera_library(monkeypatch):
             ops.load_library()
     finally:
         ops.load_library.cache_clear()
+
+
+def test_a_runtime_in_use_can_be_deep_copied():
+    """A model holding a Runtime (the processor's per-layer ones) must stay copyable (EMA copies,
+    checkpoints in memory); the copy gets a lock of its own."""
+    import copy
+
+    runtime, (q, k, v) = Runtime(), qkv()
+    mask = random_mask(1, HEADS, SEQ, SEQ, 32, 32, seed=6)
+    first = block_sparse_attention(q, k, v, mask, plan=executor_plan(), runtime=runtime)
+    twin = copy.deepcopy(runtime)
+    assert twin._lock is not runtime._lock
+    assert torch.equal(block_sparse_attention(q, k, v, mask, plan=executor_plan(), runtime=twin), first)
