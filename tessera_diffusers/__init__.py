@@ -6,6 +6,8 @@
     pipe.transformer.set_attn_processor(TesseraProcessor())
 """
 
+import logging
+
 from .errors import (
     CatalogError,
     InvalidArgumentError,
@@ -22,6 +24,10 @@ from .prepare import PreparedPlan, prepare
 from .runtime import Runtime, block_sparse_attention
 
 __version__ = "0.1.0"
+
+# Log records of every module go to the "tessera_diffusers" logger (silent unless the application
+# configures logging); warnings are kept for what a user must act on.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "CatalogError",

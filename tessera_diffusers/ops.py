@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -22,6 +23,7 @@ from .kernel_table import all_rows
 from .plans import MEMBERSHIP_BITS, Family, KernelSpec, PhysicalPlan
 from .prepare import PreparedPlan, WorkspaceLayout
 
+log = logging.getLogger(__name__)
 LIBRARY_FILE = "libtessera_kernels.so"
 # The C entry points the package calls (csrc/kernels/library.cu).
 ENTRY_POINTS = ("tessera_abi_version", "tessera_num_kernels", "tessera_kernel_name", "tessera_error_string",
@@ -144,6 +146,7 @@ def load_library() -> NativeLibrary:
             manifest = json.load(f)
         if manifest.get("kernels") != names:
             raise CatalogError(f"{manifest_path} does not list the kernels of {path}; rebuild the library")
+    log.info("native library %s: %d kernels, kernel sources %s", path, len(names), manifest.get("kernel_sources"))
     return NativeLibrary(path, handle, {n: i for i, n in enumerate(names)}, manifest)
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from bisect import bisect_left
@@ -952,6 +953,8 @@ def load_table_file(path: str) -> TableLoad:
 @cache
 def load_table_version(path: str, mtime_ns: int) -> TableLoad:
     try:
-        return TableLoad(load_plan_table(path), path, None)
+        table = load_plan_table(path)
     except PlanTableError as err:
         return TableLoad(None, path, str(err))
+    logging.getLogger(__name__).info("plan table %s: %s, %d request keys", path, table.name, len(table.keys))
+    return TableLoad(table, path, None)

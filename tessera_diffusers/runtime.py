@@ -7,6 +7,7 @@ prepared-plan cache (per mask object) for callers that repeat requests, like a d
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import warnings
 import weakref
@@ -26,6 +27,8 @@ from .plans import DTYPE_NAMES, Family, PhysicalPlan, Request
 from .prepare import PreparedPlan, prepare
 from .selector import Selection, Selector
 from .validation import check_inputs
+
+log = logging.getLogger(__name__)
 
 
 def device_arch(device: torch.device) -> str:
@@ -176,6 +179,7 @@ class Runtime:
             plan = self.selector.reused_plan(prepared.plan, request, prepared.state, warn=self._warn_once)
             if plan != prepared.plan:
                 self.regroupings += 1
+                log.debug("a mask came back: re-prepared in %s (was %s)", plan.name, prepared.plan.name)
                 prepared = prepare(plan, prepared.state)
             self._reuse_decided.add(prepared)
             return prepared

@@ -204,3 +204,22 @@ def test_a_runtime_in_use_can_be_deep_copied():
     twin = copy.deepcopy(runtime)
     assert twin._lock is not runtime._lock
     assert torch.equal(block_sparse_attention(q, k, v, mask, plan=executor_plan(), runtime=twin), first)
+
+
+def test_log_records_go_to_the_package_logger(caplog, tmp_path):
+    """Informational events are log records of the "tessera_diffusers" logger (a NullHandler keeps
+    them silent unless the application configures logging), not warnings."""
+    import logging
+    import shutil
+    import warnings
+
+    from tessera_diffusers.plan_table import load_table_file, shipped_table_path
+
+    assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("tessera_diffusers").handlers)
+    copy = tmp_path / "plan_table_sm90.json"
+    shutil.copy(shipped_table_path("sm90"), copy)
+    with caplog.at_level(logging.INFO, logger="tessera_diffusers"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_table_file(str(copy)).table is not None
+    (record,) = [r for r in caplog.records if r.name == "tessera_diffusers.plan_table"]
+    assert str(copy) in record.getMessage() and "request keys" in record.getMessage()

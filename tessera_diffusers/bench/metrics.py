@@ -30,10 +30,9 @@ PLAN_PREFIX = "tessera:"
 
 
 def geometric_mean(values: Iterable[float]) -> float:
+    """``statistics.geometric_mean`` of the positive finite values; NaN for none."""
     values = [v for v in values if v > 0 and math.isfinite(v)]
-    if not values:
-        return math.nan
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+    return statistics.geometric_mean(values) if values else math.nan
 
 
 def case_key(record: dict) -> tuple[str, str]:

@@ -44,6 +44,7 @@ The tree is exported as plain thresholds (``plan_table.TreeNode``); nothing is p
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -840,7 +841,8 @@ def export_tree(model, data: BucketData, columns: list[int]) -> tuple[list[TreeN
 
 
 def geometric_mean(values: Sequence[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+    """``statistics.geometric_mean`` of positive values; NaN for none."""
+    return statistics.geometric_mean(values) if len(values) else float("nan")
 
 
 def stats_vector(stats: Mapping[str, float]) -> tuple[float, ...]:
