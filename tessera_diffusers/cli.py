@@ -1,32 +1,271 @@
-"""``tessera`` command line: demo (the main job), bench, explain, profile, build.
+"""Tessera: block-sparse attention for video diffusion transformers.
 
-    tessera demo                  # built-in default: Wan-style video attention through Tessera
-    tessera bench --out DIR       # benchmark harness (JSON + markdown + plots)
-    tessera explain --geometry Q64K64 --seq 32768 --heads 24
-    tessera profile --out DIR --minutes 8   # profile the catalog, build the plan table (resumable)
-    tessera build                 # (re)build the native kernel library in place
+    tessera demo                  # see Tessera inside a video diffusion model (CPU ~10 s, GPU under a minute)
+    tessera explain --geometry Q64K64 --seq 32768 --heads 24   # how one request is planned (seconds)
+    tessera bench --out DIR       # Tessera beside dense and sparse baselines (GPU: minutes to hours)
+    tessera profile --out DIR --minutes 8   # measure the plans, build a plan table (GPU, resumable)
+    tessera build                 # recompile the CUDA kernels of a source checkout (nvcc, minutes)
+
+`tessera <command> --help` describes each command. A mistake in the options ends in one line,
+`tessera <command>: error: ...`, and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
 import sys
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from .errors import CatalogError, InvalidArgumentError, PlanTableError, TesseraError
+from .mask import BLOCK_ALIGNMENT, MAX_BLOCK, MIN_BLOCK
+from .validation import MAX_HEAD_DIM
+
+# The example mask of `tessera explain` is built in memory (a float score per block first).
+MAX_EXPLAIN_MASK_BLOCKS = 1 << 28
+EXPLAIN_MASK_HEADS = 4  # the example mask's heads; the request keeps --heads
+
+
+# -- shared by every command: one-line errors and argument types ----------------------------------
+
+class CommandLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage mistakes end in one line, ``<prog>: error: <message>``, with
+    exit status 2 (no usage dump); descriptions keep their line breaks."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``run(args)``; a ``TesseraError`` (a user's mistake found past parsing) becomes one line on
+    stderr and exit status 2. Other exceptions are bugs and keep their traceback."""
+    try:
+        return run(args)
+    except TesseraError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def rejected(expected: str, text: str, note: str | None = None) -> argparse.ArgumentTypeError:
+    """The error of an argument type: what was expected, what came (and why it does not do)."""
+    return argparse.ArgumentTypeError(f"expected {expected}, got {text!r}" + (f" ({note})" if note else ""))
+
+
+def int_at_least(least: int) -> Callable[[str], int]:
+    """Argument type: an int >= ``least``."""
+    expected = "a positive int" if least == 1 else f"an int >= {least}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise rejected(expected, text) from None
+        if value < least:
+            raise rejected(expected, text)
+        return value
+
+    parse.__name__ = f"int_at_least_{least}"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def number_at_least(least: float) -> Callable[[str], float]:
+    """Argument type: a finite number >= ``least``."""
+    expected = f"a number >= {least:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise rejected(expected, text) from None
+        if not math.isfinite(value) or value < least:
+            raise rejected(expected, text)
+        return value
+
+    parse.__name__ = f"number_at_least_{least:g}"
+    return parse
+
+
+non_negative_number = number_at_least(0.0)
+
+
+def density(text: str) -> float:
+    """Argument type: a share of active blocks in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise rejected("a density in (0, 1]", text) from None
+    if not 0.0 < value <= 1.0:  # also refuses nan
+        raise rejected("a density in (0, 1]", text)
+    return value
+
+
+def geometry(text: str) -> tuple[int, int]:
+    """Argument type: ``"Q64K128"`` -> ``(64, 128)``, the query and key block sizes."""
+    match = re.fullmatch(r"Q(\d+)K(\d+)", text.strip(), flags=re.IGNORECASE)
+    sizes = None if match is None else (int(match[1]), int(match[2]))
+    if sizes is None or any(s % BLOCK_ALIGNMENT or not MIN_BLOCK <= s <= MAX_BLOCK for s in sizes):
+        raise rejected(f"Q<B_Q>K<B_KV> with block sizes multiples of {BLOCK_ALIGNMENT} in "
+                       f"[{MIN_BLOCK}, {MAX_BLOCK}] (e.g. Q64K64)", text)
+    return sizes
+
+
+def head_dim(text: str) -> int:
+    """Argument type: a head dimension the kernels take, a multiple of 8 up to ``MAX_HEAD_DIM``."""
+    expected = f"a head dimension, a multiple of 8 in [8, {MAX_HEAD_DIM}]"
+    try:
+        value = int(text)
+    except ValueError:
+        raise rejected(expected, text) from None
+    if value % 8 or not 8 <= value <= MAX_HEAD_DIM:
+        raise rejected(expected, text)
+    return value
+
+
+def arch(text: str) -> str:
+    """Argument type: ``cpu`` or a CUDA architecture such as ``sm80``, ``sm90`` or ``sm120``."""
+    name = text.strip().lower()
+    if name != "cpu" and re.fullmatch(r"sm[1-9]\d{1,2}a?", name) is None:
+        raise rejected("a CUDA architecture like sm80, sm90 or sm120, or cpu", text)
+    return name.removesuffix("a")  # requests name the device (sm90), kernels the instruction set (sm90a)
+
+
+def device(text: str) -> str:
+    """Argument type: ``cpu``, or ``cuda`` / ``cuda:N`` where a CUDA device is visible."""
+    import torch
+
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        raise rejected("cpu, cuda or cuda:N", text) from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise rejected("cpu, cuda or cuda:N", text)
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise rejected("cpu", text, "no CUDA device is visible here")
+    return text
+
+
+def regex(text: str) -> str:
+    """Argument type: a Python regular expression."""
+    try:
+        re.compile(text)
+    except re.error as err:
+        raise argparse.ArgumentTypeError(f"expected a regular expression, got {text!r} ({err})") from None
+    return text
+
+
+def names_from(choices: Collection[str]) -> Callable[[str], tuple[str, ...]]:
+    """Argument type: comma-separated names, each one of ``choices``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(t.strip() for t in text.split(",") if t.strip())
+        unknown = [n for n in names if n not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated names from {list(choices)}, got {', '.join(map(repr, unknown or [text]))}")
+        return names
+
+    parse.__name__ = "names"
+    return parse
+
+
+def existing_file(text: str) -> Path:
+    """Argument type: a path to a file that exists."""
+    path = Path(text)
+    if not path.is_file():
+        raise rejected("an existing file", text, "a directory" if path.is_dir() else "no such file")
+    return path
+
+
+def existing_dir(text: str) -> Path:
+    """Argument type: a path to a directory that exists."""
+    path = Path(text)
+    if not path.is_dir():
+        raise rejected("an existing directory", text, "a file" if path.exists() else "no such directory")
+    return path
+
+
+def writable_parent(path: Path) -> str | None:
+    """Why files could not be created at ``path`` (its nearest existing ancestor is not a writable
+    directory), or None."""
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
+
+
+def output_dir(text: str) -> Path:
+    """Argument type: a directory to write into, existing or creatable (nothing is created here)."""
+    path = Path(text)
+    expected = "a directory to write into (created if missing)"
+    if path.exists():
+        if not path.is_dir():
+            raise rejected(expected, text, "an existing file")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise rejected(expected, text, "not writable")
+        return path
+    why = writable_parent(path)
+    if why is not None:
+        raise rejected(expected, text, why)
+    return path
+
+
+def output_file(text: str) -> Path:
+    """Argument type: a file to write (its directory created if missing)."""
+    path = Path(text)
+    why = "a directory" if path.is_dir() else writable_parent(path)
+    if why is not None:
+        raise rejected("a file path to write", text, why)
+    return path
+
+
+# -- tessera explain ------------------------------------------------------------------------------
+
+EXPLAIN_DESCRIPTION = """\
+Show how Tessera would plan one attention request: the plans it ranks (from the plan table of the
+architecture, else the cost model), the ones it rejects and why, the one it chooses, and the plan a
+mask that comes back gets. A random (or banded) example mask of the given density stands in for the
+model's mask. Nothing runs on a GPU; it takes a few seconds.
+
+    tessera explain --geometry Q64K64 --seq 32768 --heads 24
+    tessera explain --geometry Q16K16 --seq 75600 --heads 40 --arch sm90 --mask banded
+"""
 
 
 def add_explain(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("explain", help="show how a request would be planned (ranking, rejections, choice)")
-    p.add_argument("--geometry", default="Q64K64", help="Q{B_Q}K{B_KV}")
-    p.add_argument("--seq", type=int, default=32768)
-    p.add_argument("--heads", type=int, default=24)
-    p.add_argument("--head-dim", type=int, default=128)
+    p = sub.add_parser("explain", help="show how a request would be planned (ranking, rejections, choice)",
+                       description=EXPLAIN_DESCRIPTION)
+    p.add_argument("--geometry", type=geometry, default="Q64K64",
+                   help="block sizes Q<B_Q>K<B_KV>, multiples of 16 in [16, 512] (default Q64K64)")
+    p.add_argument("--seq", type=positive_int, default=32768, help="sequence length in tokens (default 32768)")
+    p.add_argument("--heads", type=positive_int, default=24, help="attention heads (default 24)")
+    p.add_argument("--head-dim", type=head_dim, default=128, help="head dimension (default 128)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    p.add_argument("--density", type=float, default=0.1)
+    p.add_argument("--density", type=density, default=0.1,
+                   help="share of active blocks of the example mask, in (0, 1] (default 0.1)")
     p.add_argument("--mask", choices=("random", "banded"), default="random",
                    help="random short runs per head, or one diagonal band (long runs, neighbouring rows alike)")
-    p.add_argument("--arch", default=None, help="e.g. sm90; default: this machine's GPU, else sm90")
-    p.add_argument("--table", default=None,
-                   help="a plan table file (default: the shipped table of the architecture, else the cost model)")
-    p.add_argument("--no-table", action="store_true", help="rank with the cost model only")
+    p.add_argument("--arch", type=arch, default=None,
+                   help="e.g. sm90; default: this machine's GPU, else the --table's architecture, else sm90")
+    tables = p.add_mutually_exclusive_group()
+    tables.add_argument("--table", type=existing_file, default=None,
+                        help="a plan table file (default: the shipped table of the architecture, else the cost model)")
+    tables.add_argument("--no-table", action="store_true", help="rank with the cost model only")
 
 
 def run_explain(args: argparse.Namespace) -> int:
@@ -39,17 +278,32 @@ def run_explain(args: argparse.Namespace) -> int:
     from .selector import AUTO, Selector
     from .testing import banded_mask, random_mask
 
-    bq, bkv = (int(x) for x in args.geometry.upper().lstrip("Q").split("K"))
-    arch = args.arch
-    if arch is None:
-        arch = "sm{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else "sm90"
-    heads = min(args.heads, 4)
+    bq, bkv = args.geometry
+    table = None if args.no_table else AUTO
+    if args.table is not None:
+        try:
+            table = load_plan_table(args.table)
+        except PlanTableError as err:
+            raise InvalidArgumentError("--table", "a plan table file (tessera profile writes one)", err) from None
+    target = args.arch
+    if target is None and torch.cuda.is_available():
+        target = "sm{}{}".format(*torch.cuda.get_device_capability())
+    if target is None:
+        target = table.arch if args.table is not None else "sm90"
+    if args.table is not None and table.arch != target:
+        raise InvalidArgumentError("--table", f"a plan table of {target} (the architecture explained)",
+                                   f"a table of {table.arch} ({args.table})", hint="pass --arch to choose another")
+    heads = min(args.heads, EXPLAIN_MASK_HEADS)
+    blocks = heads * -(-args.seq // bq) * -(-args.seq // bkv)
+    if blocks > MAX_EXPLAIN_MASK_BLOCKS:
+        raise InvalidArgumentError(
+            "--seq", f"a length whose example mask fits in memory (at most {MAX_EXPLAIN_MASK_BLOCKS:,} blocks "
+            f"of Q{bq}K{bkv} over {heads} heads)", f"{args.seq} ({blocks:,} blocks)")
     if args.mask == "banded":
         mask = banded_mask(heads, args.seq, bq, bkv, args.density)
     else:
         mask = random_mask(1, heads, args.seq, args.seq, bq, bkv, density=args.density, empty_rows=False)
-    request = Request(1, args.heads, args.seq, args.seq, args.head_dim, args.dtype, bq, bkv, arch)
-    table = None if args.no_table else (load_plan_table(args.table) if args.table else AUTO)
+    request = Request(1, args.heads, args.seq, args.seq, args.head_dim, args.dtype, bq, bkv, target)
     selector, state = Selector(table=table, kernels=all_kernels()), build_mask_state(mask)
     selection = selector.rank(request, state)
     print(selection.explain())
@@ -61,67 +315,103 @@ def run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- tessera build --------------------------------------------------------------------------------
+
+BUILD_DESCRIPTION = """\
+Compile the CUDA kernel library (libtessera_kernels.so) from the kernel sources of a source
+checkout, into the directory the package loads it from (tessera_diffusers/_native/, or the
+directory of TESSERA_NATIVE_LIB). `pip install .` already does this when nvcc is available; this
+command is for rebuilding after editing the kernels.
+
+Needs: a clone of the repository installed with `pip install -e .` (the csrc/ folder beside the
+package), nvcc (the CUDA toolkit: on PATH, or NVCC / CUDA_HOME), and for the Hopper (sm90a)
+kernels the CuTe headers (`pip install nvidia-cutlass`). Rebuilds are incremental; a full build of
+one architecture takes about a minute on 16 cores, longer on fewer.
+
+    tessera build --archs 90
+    tessera build --archs 90 --only '_d128_bf16_' --jobs 8
+"""
+
+
+def archs_list(text: str) -> str:
+    """Argument type: CUDA architectures as numbers, ``"80;90"`` or ``"80,90"``."""
+    names = [a.strip() for a in text.replace(",", ";").split(";") if a.strip()]
+    if not names or any(re.fullmatch(r"[1-9]\d{1,2}a?", a) is None for a in names):
+        raise rejected('CUDA architectures as numbers separated by ";" or "," (e.g. "80;90")', text)
+    return text
+
+
 def add_build(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("build", help="build the native kernel library into the installed package")
-    p.add_argument("--archs", default=None, help='e.g. "80;90" (TESSERA_CUDA_ARCHS)')
-    p.add_argument("--only", default=None, help="regex over kernel names")
-    p.add_argument("--jobs", type=int, default=None)
+    p = sub.add_parser("build", help="recompile the CUDA kernel library from a source checkout (needs nvcc)",
+                       description=BUILD_DESCRIPTION)
+    p.add_argument("--archs", type=archs_list, default=None,
+                   help='CUDA architectures, e.g. "80;90" (default: TESSERA_CUDA_ARCHS, else "80;90")')
+    p.add_argument("--only", type=regex, default=None, help="build only the kernels whose name matches this regex")
+    p.add_argument("--jobs", type=positive_int, default=None, help="parallel nvcc processes (default: MAX_JOBS, else all cores)")
 
 
 def run_build(args: argparse.Namespace) -> int:
     import importlib.util
-    import os
 
     from . import ops
 
     here = os.path.dirname(os.path.abspath(__file__))
     script = os.path.join(os.path.dirname(here), "csrc", "build_native.py")
     if not os.path.isfile(script):
-        print("tessera build needs a source checkout (csrc/build_native.py); reinstall from source instead")
-        return 1
+        raise CatalogError(
+            f"needs a source checkout: no csrc/build_native.py beside the installed package ({here}); clone the "
+            "repository and run `pip install -e .` there, then `tessera build`")
     spec = importlib.util.spec_from_file_location("tessera_build_native", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    lib = module.build_native_library(os.path.dirname(ops.library_path()), args.archs, args.only, args.jobs)
+    if module.find_nvcc() is None:
+        raise CatalogError("needs nvcc (the CUDA toolkit): put it on PATH, or set NVCC or CUDA_HOME")
+    try:
+        lib = module.build_native_library(os.path.dirname(ops.library_path()), args.archs, args.only, args.jobs)
+    except RuntimeError as err:
+        if args.only is not None and "no kernel matches" in str(err):
+            raise InvalidArgumentError("--only", "a regex matching some kernel name", repr(args.only),
+                                       hint=str(err)) from None
+        raise
     return 0 if lib else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tessera", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+# -- tessera ----------------------------------------------------------------------------------------
 
-    demo = sub.add_parser("demo", help="the built-in default job (tiny Wan model on CPU, real-size attention on GPU)")
-    from .demo import add_arguments as add_demo
-
-    add_demo(demo)
-
-    bench = sub.add_parser("bench", help="benchmark Tessera beside its baselines (JSON + markdown + plots)")
+def build_parser() -> argparse.ArgumentParser:
+    from .bench.cli import DESCRIPTION as BENCH_DESCRIPTION
     from .bench.cli import add_arguments as add_bench
-
-    add_bench(bench)
-    add_explain(sub)
-    profile = sub.add_parser("profile", help="profile every catalog plan on the corpus and build the plan table")
+    from .demo import DESCRIPTION as DEMO_DESCRIPTION
+    from .demo import add_arguments as add_demo
+    from .profile.cli import DESCRIPTION as PROFILE_DESCRIPTION
     from .profile.cli import add_arguments as add_profile
 
-    add_profile(profile)
+    parser = CommandLineParser(prog="tessera", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    add_demo(sub.add_parser("demo", description=DEMO_DESCRIPTION,
+                            help="see Tessera inside a video diffusion model (tiny model on CPU, real size on GPU)"))
+    add_bench(sub.add_parser("bench", description=BENCH_DESCRIPTION,
+                             help="benchmark Tessera beside its baselines (JSON + markdown + plots)"))
+    add_explain(sub)
+    add_profile(sub.add_parser("profile", description=PROFILE_DESCRIPTION,
+                               help="measure every plan on the mask corpus and build the plan table"))
     add_build(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from .demo import run as run_demo
-
-        return run_demo(args)
-    if args.command == "bench":
-        from .bench.cli import run as run_bench
-
-        return run_bench(args)
-    if args.command == "explain":
-        return run_explain(args)
-    if args.command == "profile":
-        from .profile.cli import run as run_profile
-
-        return run_profile(args)
-    return run_build(args)
+        from .demo import run
+    elif args.command == "bench":
+        from .bench.cli import run
+    elif args.command == "explain":
+        run = run_explain
+    elif args.command == "profile":
+        from .profile.cli import run
+    else:
+        run = run_build
+    return run_command(f"tessera {args.command}", run, args)
 
 
 if __name__ == "__main__":

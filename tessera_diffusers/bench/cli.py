@@ -1,13 +1,5 @@
-"""``tessera bench``: measure Tessera beside its baselines on the mask corpus and write a report.
-
-    python -m tessera_diffusers.bench --out results/           # default subset (one H200: < 8 min)
-    python -m tessera_diffusers.bench --out results/ --full    # the whole evaluation split
-    python -m tessera_diffusers.bench --out results/ --mode kernels --sizes n32k,wan720p
-    python -m tessera_diffusers.bench --out /tmp/smoke --smoke  # tiny CPU run (oracle + executor)
-
-Writes ``records.jsonl`` (as it goes), ``results.json``, ``results.md`` and plots to ``--out``.
-Exit status 1 when any Tessera output failed its oracle check, else 0.
-"""
+"""``tessera bench`` (also ``python -m tessera_diffusers.bench``): measure Tessera beside its
+baselines on the mask corpus and write a report. What it writes and how long it takes: ``DESCRIPTION``."""
 
 from __future__ import annotations
 
@@ -19,6 +11,21 @@ from pathlib import Path
 
 import torch
 
+from ..cli import (
+    CommandLineParser,
+    device,
+    existing_dir,
+    head_dim,
+    names_from,
+    non_negative_int,
+    non_negative_number,
+    output_dir,
+    positive_int,
+    regex,
+    run_command,
+)
+from ..corpus import ALL_SOURCES, DEFAULTS_FAMILIES, FAMILIES
+from ..errors import InvalidArgumentError
 from .config import (
     ALL_FAMILIES,
     BACKEND_NAMES,
@@ -32,49 +39,68 @@ from .harness import RECORDS_FILE, load_done, run_benchmark
 from .metrics import summarize
 from .report import environment, write_reports
 
+DESCRIPTION = """\
+Measure Tessera beside dense attention (cuDNN and FlashAttention-2 SDPA) and sparse baselines
+(FlexAttention, FlashInfer) on masks of the corpus: each case is checked against the exact
+masked-attention oracle, then timed. Writes to --out: records.jsonl (as it goes; --resume continues
+from it), results.json, results.md and plots. Exit status 1 when a Tessera output failed its
+oracle check, else 0.
 
-def comma_list(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
+Time: the default subset takes under 8 minutes on one H200, --full (the whole evaluation split)
+hours, --smoke (a tiny configuration of the oracle and the PyTorch executor on the CPU) about 20 s.
+Without a GPU and without --smoke it measures the PyTorch executor on the CPU at full size: slow,
+and not a measure of GPU speed.
+
+    tessera bench --out results/
+    tessera bench --out results/ --mode kernels --sizes n32k,wan720p
+    tessera bench --out /tmp/smoke --smoke
+"""
+FAMILY_NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES + DEFAULTS_FAMILIES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tessera bench`` (also used by ``benchmarks/kernels.py``)."""
-    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--out", required=True, type=output_dir, help="output directory (created if missing)")
     parser.add_argument("--mode", choices=("bench", "kernels"), default="bench",
                         help="bench: Tessera's selected plan beside every baseline; kernels: every eligible catalog "
-                             "plan beside dense SDPA and FlexAttention (issue 3's study)")
+                             "plan beside dense SDPA and FlexAttention")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU configuration (oracle + PyTorch executor), seconds")
     parser.add_argument("--full", action="store_true", help="the whole evaluation split of the corpus (hours)")
-    parser.add_argument("--sizes", type=comma_list, default=None,
+    parser.add_argument("--sizes", type=names_from(SIZE_PROFILES), default=None,
                         help=f"size profiles, from {sorted(SIZE_PROFILES)} (default n32k)")
-    parser.add_argument("--families", type=comma_list, default=None, help=f"families, from {list(ALL_FAMILIES)}")
-    parser.add_argument("--sources", type=comma_list, default=None, help="corpus sources to draw cases from")
-    parser.add_argument("--cases-per-family", type=int, default=1)
-    parser.add_argument("--corpus", type=Path, default=None, help="a saved corpus directory instead of generated cases")
-    parser.add_argument("--backends", type=comma_list, default=None, help=f"from {list(BACKEND_NAMES)}")
+    parser.add_argument("--families", type=names_from(FAMILY_NAMES), default=None,
+                        help=f"families, from {list(FAMILY_NAMES)} (default: all but "
+                             f"{', '.join(f.name for f in DEFAULTS_FAMILIES)})")
+    parser.add_argument("--sources", type=names_from(ALL_SOURCES), default=None,
+                        help=f"corpus sources to draw cases from, from {list(ALL_SOURCES)}")
+    parser.add_argument("--cases-per-family", type=positive_int, default=1)
+    parser.add_argument("--corpus", type=existing_dir, default=None,
+                        help="a saved corpus directory instead of generated cases")
+    parser.add_argument("--backends", type=names_from(BACKEND_NAMES), default=None, help=f"from {list(BACKEND_NAMES)}")
     parser.add_argument("--no-flashinfer", action="store_true", help="leave the FlashInfer variants out")
     parser.add_argument("--all-plans", action="store_true", help="also time every eligible Tessera plan (gives regret)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=None, help="override the size profile's head count")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--warmup-ms", type=float, default=0.0,
+    parser.add_argument("--head-dim", type=head_dim, default=128)
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--heads", type=positive_int, default=None, help="override the size profile's head count")
+    parser.add_argument("--warmup", type=non_negative_int, default=3)
+    parser.add_argument("--warmup-ms", type=non_negative_number, default=0.0,
                         help="then keep warming up until the device has been busy this long, so every backend is "
                              "timed under sustained load (e.g. 200; 0: the --warmup calls only)")
     parser.add_argument("--interleave", action="store_true",
                         help="validate every backend of a case first, then time them in turn with the device kept "
                              "busy (dense baselines timed on every case), instead of each right after its own setup")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--input-sets", type=int, default=3, help="rotated q/k/v sets (keeps operands out of L2)")
-    parser.add_argument("--request-reps", type=int, default=3)
-    parser.add_argument("--plan-request-reps", type=int, default=1,
+    parser.add_argument("--reps", type=positive_int, default=10, help="timed runs, the median is kept")
+    parser.add_argument("--input-sets", type=positive_int, default=3, help="rotated q/k/v sets (keeps operands out of L2)")
+    parser.add_argument("--request-reps", type=positive_int, default=3, help="complete requests timed per backend")
+    parser.add_argument("--plan-request-reps", type=non_negative_int, default=1,
                         help="complete requests timed per forced catalog plan (0: kernel latency only)")
-    parser.add_argument("--plan-filter", default=None,
+    parser.add_argument("--plan-filter", type=regex, default=None,
                         help="regular expression: only forced catalog plans whose name matches (e.g. 'lpt$|split2')")
-    parser.add_argument("--validate-heads", type=int, default=2, help="heads checked against the oracle")
-    parser.add_argument("--atol", type=float, default=None, help="absolute slack of the oracle check")
-    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--validate-heads", type=non_negative_int, default=2,
+                        help="heads checked against the oracle (0: all)")
+    parser.add_argument("--atol", type=non_negative_number, default=None, help="absolute slack of the oracle check")
+    parser.add_argument("--device", type=device, default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--resume", action="store_true", help="keep records.jsonl and measure only what is missing")
@@ -171,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     out_dir = Path(config.out_dir)
     if args.report_only:
+        if not (out_dir / RECORDS_FILE).is_file():
+            raise InvalidArgumentError("--out", f"a directory holding the {RECORDS_FILE} of an earlier run "
+                                       "(--report-only)", str(out_dir))
         records, _ = load_done(out_dir / RECORDS_FILE)
         unavailable_path = out_dir / "unavailable.json"
         unavailable = json.loads(unavailable_path.read_text()) if unavailable_path.is_file() else {}
@@ -188,9 +217,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tessera bench", description=__doc__.split("\n")[0])
+    parser = CommandLineParser(prog="tessera bench", description=DESCRIPTION)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_command("tessera bench", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
