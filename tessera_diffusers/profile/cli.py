@@ -4,7 +4,6 @@ corpus's profiling split, then build the plan table. What it writes and how long
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -194,9 +193,6 @@ def build_table(records: Sequence[Path], out: Path | None, out_dir: Path, arch: 
         raise PlanTableError(f"building a table needs scikit-learn (pip install 'tessera-diffusers[profile]'): {err}") \
             from err
     path = table.save(out or out_dir / f"plan_table_{profile.arch}.json")
-    if not profile.kernels:  # the hash of an empty catalog would read like a kernel catalog's
-        report = dataclasses.replace(
-            report, catalog_hash=f"{profile.catalog_hash}: no native kernels, the PyTorch executor's plans")
     markdown = report.to_markdown()
     (path.parent / REPORT_FILE).write_text(markdown)
     log(markdown)

@@ -54,6 +54,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from ..catalog import catalog_hash
 from ..cost_model import PlanEstimator, area_is_measured
 from ..errors import PlanTableError
 from ..mask_state import NUM_STATS
@@ -184,7 +185,10 @@ class CompileReport:
     warnings: tuple[str, ...] = ()
 
     def to_markdown(self) -> str:
-        lines = [f"# Plan table {self.arch} (catalog {self.catalog_hash}), {self.cases} profiled cases", "",
+        catalog = self.catalog_hash
+        if catalog == catalog_hash(()):  # a CPU profile: the hash of no kernels would read like a catalog's
+            catalog += ": no native kernels, the PyTorch executor's plans"
+        lines = [f"# Plan table {self.arch} (catalog {catalog}), {self.cases} profiled cases", "",
                  "| key | bucket | cases | groups | depth | regimes | CV GM regret by depth | fit GM regret | note |",
                  "|---|---|---|---|---|---|---|---|---|"]
         for b in self.buckets:
