@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch

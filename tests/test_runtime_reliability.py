@@ -13,9 +13,8 @@ import weakref
 import pytest
 import torch
 
-from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention, build_mask_state, reference
+from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention, build_mask_state, ops, reference
 from tessera_diffusers.catalog import hopper_kernels, reference_kernel
-from tessera_diffusers import ops
 from tessera_diffusers.errors import CatalogError, InvalidArgumentError
 from tessera_diffusers.ops import check_launch, run_native
 from tessera_diffusers.plans import KvLayout, PhysicalPlan, TaskOrganization

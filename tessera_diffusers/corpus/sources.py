@@ -31,10 +31,10 @@ from types import MappingProxyType
 
 import torch
 
-from .families import MaskFamily
 from ..sparsifiers import SSTASparsifier
 from ..sparsifiers.base import LatentGrid as TokenGrid
 from ..sparsifiers.ssta import window_size
+from .families import MaskFamily
 from .fields import cosine, draw_field, draw_projections, kmeans, pool_blocks, token_features
 from .grids import BlockBoxes, TokenLayout, box_distances
 from .selection import hash_jitter, select_blocks

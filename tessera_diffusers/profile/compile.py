@@ -313,10 +313,11 @@ def load_profile(paths: Iterable[str | Path], arch: str | None = None) -> Profil
 
 
 def latest_profile_per_key(case_records: Mapping[tuple[int, str], dict], paths: Sequence[Path],
-                           buckets: Buckets = Buckets()) -> tuple[dict[tuple[int, str], dict], list[str]]:
+                           buckets: Buckets | None = None) -> tuple[dict[tuple[int, str], dict], list[str]]:
     """Of the case records by (file index, case name), those from each (request key, size bucket)'s
     last file, and a note per key and bucket whose cases in earlier files were set aside
-    (``load_profile``)."""
+    (``load_profile``). ``buckets``: the tables' size buckets (default ``Buckets()``)."""
+    buckets = buckets or Buckets()
     keys = {}
     for at, record in case_records.items():
         request = request_from_dict(record["request"])
