@@ -39,12 +39,19 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers.hooks.hooks import BaseState, HookRegistry, ModelHook, StateManager
-from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
-from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
 from tessera_diffusers.errors import InvalidArgumentError, describe_tensor
 from tessera_diffusers.sparsifiers.base import LatentGrid
+
+from .compat import (
+    VIDEO_TRANSFORMERS,
+    BaseState,
+    HookRegistry,
+    ModelHook,
+    StateManager,
+    cache_context_of,
+    registry_module,
+)
 
 if TYPE_CHECKING:
     from .processor import TesseraProcessor
@@ -324,7 +331,7 @@ class TesseraHook(ModelHook):
     def pre_forward(self, module: torch.nn.Module, *args, **kwargs) -> tuple[tuple[Any], dict[str, Any]]:
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         grid = grid_from_latents(hidden_states.shape, self.patch) if isinstance(hidden_states, torch.Tensor) else None
-        branch, step = self.counter.next(current_context(self.state_manager), self.processor.branches)
+        branch, step = self.counter.next(cache_context_of(self.state_manager), self.processor.branches)
         self.processor.begin_forward(ForwardContext(self.model, grid, step, branch))
         return args, kwargs
 
@@ -350,7 +357,7 @@ class ProcessorHook(ModelHook):
         self.state_manager = StateManager(HookState)
 
     def context(self) -> Any:
-        return current_context(self.state_manager)
+        return cache_context_of(self.state_manager)
 
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
         # ``module`` is the processor: the transformer being reset is the one on the call stack
@@ -366,19 +373,11 @@ def running_transformer() -> torch.nn.Module | None:
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, HookRegistry):
-            candidate = getattr(candidate, "_module_ref", None)
-        if isinstance(candidate, (WanTransformer3DModel, HunyuanVideo15Transformer3DModel)):
+            candidate = registry_module(candidate)
+        if isinstance(candidate, VIDEO_TRANSFORMERS):
             return candidate
         frame = frame.f_back
     return None
-
-
-def current_context(manager: StateManager) -> Any:
-    """The ``CacheContext`` a pipeline opened around this call, or None."""
-    try:
-        return manager.context
-    except ValueError:  # diffusers raises when no cache_context is open
-        return None
 
 
 class IdentityMemo:

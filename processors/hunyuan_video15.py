@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from diffusers.models.embeddings import apply_rotary_emb
 
 from tessera_diffusers.errors import InvalidArgumentError, describe_tensor
 from tessera_diffusers.mask import LogicalMask
 
 from .backends import dense_lse_attention, merge_partials
+from .compat import apply_rotary_emb
 from .context import ForwardContext, ModuleRoute, describe_argument
 from .plan_cache import CacheSlot
 

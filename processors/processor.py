@@ -34,14 +34,6 @@ import weakref
 from typing import Any
 
 import torch
-from diffusers.hooks.hooks import HookRegistry
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.attention_processor import Attention, AttnProcessor2_0
-from diffusers.models.transformers.transformer_hunyuan_video15 import (
-    HunyuanVideo15AttnProcessor2_0,
-    HunyuanVideo15Transformer3DModel,
-)
-from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, WanTransformer3DModel
 
 from tessera_diffusers.errors import InvalidArgumentError, MaskError
 from tessera_diffusers.mask import LogicalMask
@@ -53,6 +45,23 @@ from tessera_diffusers.sparsifiers.ssta import ssta_384, ssta_tuned
 from tessera_diffusers.sparsifiers.warmup import DenseWarmup
 
 from .backends import AttentionTimer, SparseAttentionBackend, TesseraBackend, TimedBackend
+from .compat import (
+    VIDEO_TRANSFORMERS,
+    Attention,
+    AttnProcessor2_0,
+    HookRegistry,
+    HunyuanVideo15AttnProcessor2_0,
+    WanAttention,
+    WanAttnProcessor,
+    cached_child_registries,
+    default_processor_cls,
+    dispatch_attention_fn,
+    hand_attention_backend,
+    hand_parallel_config,
+    hook_registry_of,
+    invalidate_child_registries,
+    parallel_config_of,
+)
 from .context import (
     HOOK_NAME,
     ForwardContext,
@@ -99,7 +108,7 @@ def default_sparsifier(route: Route, warmup_steps: int = DEFAULT_WARMUP_STEPS) -
 
 
 class TesseraProcessor(torch.nn.Module):
-    """Diffusers attention processor routing video self-attention through Tessera.
+    r"""Diffusers attention processor routing video self-attention through Tessera.
 
     It is an ``nn.Module`` without parameters so that, once installed, it is part of the transformer:
     the pipeline's ``cache_context`` and end-of-run reset reach its hook (see ``context.py``). One
@@ -129,7 +138,7 @@ class TesseraProcessor(torch.nn.Module):
             (``DEFAULT_WARMUP_STEPS``) when None; with a sparsifier given, None adds none.
     """
 
-    _attention_backend = None  # set by diffusers' ``set_attention_backend``; used for dense calls
+    _attention_backend = None  # set by diffusers' ``set_attention_backend`` (compat.py); used for dense calls
 
     def __init__(
         self,
@@ -200,7 +209,7 @@ class TesseraProcessor(torch.nn.Module):
         Returns ``self``."""
         if any(model is transformer for model in self.models):
             return self
-        if not isinstance(transformer, (WanTransformer3DModel, HunyuanVideo15Transformer3DModel)):
+        if not isinstance(transformer, VIDEO_TRANSFORMERS):
             raise InvalidArgumentError(
                 "transformer", "a WanTransformer3DModel or HunyuanVideo15Transformer3DModel", type(transformer).__name__
             )
@@ -227,10 +236,10 @@ class TesseraProcessor(torch.nn.Module):
             self.routes.setdefault(module, ModuleRoute(Route.STOCK, model, -1))
         transformer.set_attn_processor(self)
         registry.register_hook(TesseraHook(self, model, patch_size_of(transformer)), HOOK_NAME)
-        registry.invalidate_child_registries_cache()  # cache_context reaches the processor's hook too
+        invalidate_child_registries(registry)  # cache_context reaches the processor's hook too
         self.models.append(transformer)
-        if getattr(transformer, "_parallel_config", None) is not None:  # enable_parallelism ran before attach
-            self._parallel_config = transformer._parallel_config
+        if parallel_config_of(transformer) is not None:  # enable_parallelism ran before attach
+            self._parallel_config = parallel_config_of(transformer)
         return self
 
     def detach(self, transformer: torch.nn.Module) -> None:
@@ -245,15 +254,14 @@ class TesseraProcessor(torch.nn.Module):
             originals[name] = self.stock.get(module) or self.stock_processor_for(module)
             self.routes.pop(module, None)
             self.stock.pop(module, None)
-        parallel = getattr(transformer, "_parallel_config", None)
+        parallel = parallel_config_of(transformer)
         if parallel is not None and parallel.context_parallel_config is not None:
             for original in originals.values():  # as enable_parallelism would have handed it to them
-                if hasattr(original, "_parallel_config"):
-                    original._parallel_config = parallel
+                hand_parallel_config(original, parallel)
         transformer.set_attn_processor(originals)
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.remove_hook(HOOK_NAME, recurse=False)
-        registry.invalidate_child_registries_cache()
+        invalidate_child_registries(registry)
         self.models = [m for m in self.models if m is not transformer]
 
     # ------------------------------------------------------------------ context parallelism
@@ -380,8 +388,7 @@ class TesseraProcessor(torch.nn.Module):
 
     def call_stock(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb):
         processor = self.stock.get(attn) or self.stock_processor_for(attn)
-        if self._attention_backend is not None and hasattr(processor, "_attention_backend"):
-            processor._attention_backend = self._attention_backend
+        hand_attention_backend(processor, self._attention_backend)
         if isinstance(attn, WanAttention):
             return processor(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         kwargs = {}
@@ -398,7 +405,7 @@ class TesseraProcessor(torch.nn.Module):
         elif isinstance(attn, Attention) and getattr(attn, "add_q_proj", None) is not None:
             cls = HunyuanVideo15AttnProcessor2_0
         else:
-            cls = getattr(type(attn), "_default_processor_cls", None) or AttnProcessor2_0
+            cls = default_processor_cls(attn) or AttnProcessor2_0
         if cls not in self.default_stock:
             self.default_stock[cls] = cls()
         return self.default_stock[cls]
@@ -469,11 +476,11 @@ class TesseraProcessor(torch.nn.Module):
         if transformer is None or transformer in self.refreshed:
             return
         self.refreshed.add(transformer)
-        registry = getattr(transformer, "_diffusers_hook", None)
-        cached = getattr(registry, "_child_registries_cache", None)
-        if cached is None or any(child is getattr(self, "_diffusers_hook", None) for child in cached):
-            return
-        registry.invalidate_child_registries_cache()
+        registry = hook_registry_of(transformer)
+        cached = None if registry is None else cached_child_registries(registry)
+        if cached is None or any(child is hook_registry_of(self) for child in cached):
+            return  # nothing cached (each cache_context walks the tree), or the processor's hook is in it
+        invalidate_child_registries(registry)
         self.warn_once(
             "tessera: this transformer opened a cache_context before TesseraProcessor was installed; the pipeline's "
             "step and guidance branch reach the processor from the next forward on, and this forward counts as the "

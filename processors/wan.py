@@ -1,6 +1,6 @@
 """Wan2.1 video self-attention (``attn1``) through Tessera.
 
-Same projections, QK-norm and RoPE as diffusers' ``WanAttnProcessor`` (diffusers 0.42): Q/K/V from
+Same projections, QK-norm and RoPE as diffusers' ``WanAttnProcessor`` (diffusers 0.36 - 0.42): Q/K/V from
 ``to_q/to_k/to_v`` (or fused ``to_qkv``), RMSNorm over all heads before the head split, RoPE on
 interleaved pairs when ``rotary_emb`` is given, output ``flatten -> to_out[0] -> to_out[1]``. All of
 these act per token, so the tokens are put in the sparsifier's tile order *before* the projections
@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
 from tessera_diffusers.errors import InvalidArgumentError
 
+from .compat import wan_qkv_projections
 from .context import ForwardContext, ModuleRoute, describe_argument
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def wan_self_attention(
     """``hidden_states [B, S, C]`` (raster order, S = grid tokens) -> attention output ``[B, S, C]``."""
     layout = processor.layout_for(route, call.grid, hidden_states.shape[1])
     x = layout.to_layout(hidden_states)
-    query, key, value = _get_qkv_projections(attn, x, None)
+    query, key, value = wan_qkv_projections(attn, x, None)
     query = attn.norm_q(query)
     key = attn.norm_k(key)
     query = query.unflatten(2, (attn.heads, -1))  # [B, S, H, D]

@@ -641,14 +641,13 @@ def ulysses_wan_self_attention(
     ``rotary_emb`` cos/sin ``[1, S/N, 1, D]`` (split alike) -> ``[B, S/N, C]``. Same projections,
     norms, RoPE and output projection as ``processors.wan.wan_self_attention``; the token permutation
     into the sparsifier's tile order happens after the all-to-all, on the whole sequence."""
-    from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
+    from .processors.compat import wan_qkv_projections
     from .processors.wan import apply_wan_rotary
 
     ulysses: Ulysses = processor.ulysses
     seq = hidden_states.shape[1] * ulysses.degree
     layout = processor.layout_for(route, call.grid, seq)
-    query, key, value = _get_qkv_projections(attn, hidden_states, None)
+    query, key, value = wan_qkv_projections(attn, hidden_states, None)
     query = attn.norm_q(query)  # RMSNorm over all heads: per token, so on the local chunk as well
     key = attn.norm_k(key)
     query = query.unflatten(2, (attn.heads, -1))  # [B, S/N, H, D]
