@@ -56,3 +56,10 @@ echo "=== hv15 front door $(date +%T)"
 timeout 320 python3 benchmarks/diffusion_loop.py --out $OUT/hv15 --models hv15 --systems dense,one-liner,attach --steps 3 --max-minutes 4.6 > $OUT/hv15.log 2>&1; echo "loop rc=$?"
 grep "^|" $OUT/hv15.log
 echo "=== done $(date +%T)"
+
+# Session call 4: every GPU test on the final tree (diffusers compat module, CLI, logging included).
+source .device_build/env.sh
+echo "=== gpu tests $(date +%T)"
+timeout 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider > $OUT/gpu_tests.log 2>&1; echo "rc=$?"; tail -3 $OUT/gpu_tests.log
+grep -E "FAILED|ERROR" $OUT/gpu_tests.log | head -20
+echo "=== done $(date +%T)"
