@@ -12,6 +12,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from functools import cache
 from typing import NamedTuple
 
@@ -162,9 +163,19 @@ class Runtime:
             prepared = self.plan_request(state, request, plan)
             while len(self._cache) >= self.max_entries:
                 self._cache.pop(next(iter(self._cache)), None)
-            cache = self._cache
-            self._cache[key] = CacheEntry(weakref.ref(mask, lambda _, k=key: cache.pop(k, None)), version, prepared)
+            self._cache[key] = CacheEntry(weakref.ref(mask, self._forget(key)), version, prepared)
             return prepared
+
+    def _forget(self, key: tuple) -> Callable[[weakref.ref], None]:
+        """The callback that drops entry ``key`` when its mask dies (in whichever thread drops the
+        last reference: under the lock, like every other change of the cache)."""
+        cache, lock = self._cache, self._lock
+
+        def forget(_: weakref.ref) -> None:
+            with lock:
+                cache.pop(key, None)
+
+        return forget
 
     def regrouped(self, prepared: PreparedPlan, request: Request) -> PreparedPlan:
         """``prepared`` re-prepared in the plan ``Selector.reused_plan`` names for a mask that came
