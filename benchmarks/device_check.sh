@@ -3,21 +3,16 @@
 # then the steps named on the command line, in order:
 #   smoke      benchmarks/sanitize_check.py alone under a short timeout (SMOKE_ARGS); a failure or
 #              a hang stops the remaining steps
-#   tests      GPU tests (every catalog entry x family x layout x splits)
+#   tests      every GPU test (pytest -m gpu: each catalog entry x family x layout x splits, runtime, processors)
 #   sanitize   compute-sanitizer memcheck + racecheck + synccheck on representative plans (SANITIZE_ARGS,
-#              e.g. --family hopper), SASS instruction counts
-#   quick      benchmarks/portable_quick.py (every portable plan on simple video masks)
+#              e.g. --every-kernel --grouped), SASS instruction counts
 #   harness    tessera bench default subset (HARNESS_ARGS, HARNESS_TIMEOUT)
 #   kernels    benchmarks/kernels.py (KERNELS_ARGS, KERNELS_TIMEOUT)
 #   loop       benchmarks/diffusion_loop.py (LOOP_ARGS, LOOP_TIMEOUT)
-#   probe      benchmarks/baseline_probe.py (PROBE_ARGS): why FlexAttention and FlashInfer-fa3 depart from anchors
 #   demo       tessera demo --device cuda (the README's main job on the GPU)
 #   request    benchmarks/request_breakdown.py (REQUEST_ARGS): where a cold request's time goes
 #   profile    tessera profile (PROFILE_MINUTES, PROFILE_ARGS); records and table under $OUT/profile
-#   ablation   benchmarks/ablation.py (ABLATION_ARGS, ABLATION_TIMEOUT): A0 / A1 / A2
 #   cp         torchrun benchmarks/cp_scaling.py on CP_NPROC GPUs (default: all), CP_ARGS, CP_TAG; needs 2+ GPUs
-#   context    benchmarks/batch_context.py (CONTEXT_ARGS, CONTEXT_TIMEOUT): plan times alone, among all
-#              plans, after a GEMM per launch; clocks per context
 # Logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/tessera_out}
@@ -47,7 +42,7 @@ for STEP in "${@:-tests}"; do
       rc=${PIPESTATUS[0]}
       if [ "$rc" != 0 ]; then echo "smoke failed (rc=$rc): stopping"; exit 1; fi ;;
     tests)
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/test_native_gpu.py -q -p no:cacheprovider ${PYTEST_ARGS:-} \
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -m gpu tests -q -p no:cacheprovider ${PYTEST_ARGS:-} \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
@@ -57,8 +52,6 @@ for STEP in "${@:-tests}"; do
       cuobjdump -sass tessera_diffusers/_native/libtessera_kernels.so 2>/dev/null > "$OUT/sass.txt"
       echo "SASS: $(grep -c HGMMA "$OUT/sass.txt") HGMMA, $(grep -c HMMA "$OUT/sass.txt") HMMA, $(grep -c LDSM "$OUT/sass.txt") LDSM, $(grep -c LDGSTS "$OUT/sass.txt") LDGSTS, $(grep -cE 'STL|LDL' "$OUT/sass.txt") local-memory ops"
       gzip -f "$OUT/sass.txt" ;;
-    quick)
-      timeout ${QUICK_TIMEOUT:-300} python3 benchmarks/portable_quick.py --out "$OUT" ${QUICK_ARGS:-} 2>&1 | tee "$OUT/quick.log" | tail -12 ;;
     harness)
       timeout ${HARNESS_TIMEOUT:-420} python3 -m tessera_diffusers.bench --out "$OUT/harness" --no-progress ${HARNESS_ARGS:-} \
         2>&1 | tee "$OUT/harness.log" | tail -40
@@ -75,16 +68,10 @@ for STEP in "${@:-tests}"; do
     profile)
       timeout ${PROFILE_TIMEOUT:-420} python3 -m tessera_diffusers.cli profile --out "$OUT/profile" \
         --minutes ${PROFILE_MINUTES:-6} --no-progress ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -25 ;;
-    probe)
-      timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/baseline_probe.py --out "$OUT/probe" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" | tail -30 ;;
     request)
       timeout ${REQUEST_TIMEOUT:-240} python3 benchmarks/request_breakdown.py --out "$OUT/request_breakdown.json" \
         ${REQUEST_ARGS:-} 2>&1 | tee "$OUT/request.log" | tail -30
       if [ -d "$OUT/request_profile" ]; then pack request_profile; fi ;;
-    ablation)
-      timeout ${ABLATION_TIMEOUT:-420} python3 benchmarks/ablation.py --out "$OUT/ablation" ${ABLATION_ARGS:-} \
-        2>&1 | tee "$OUT/ablation.log" | tail -30
-      pack ablation ;;
     cp)
       NPROC=${CP_NPROC:-$(nvidia-smi -L | wc -l)}
       nvidia-smi topo -m > "$OUT/topology.txt" 2>&1; head -5 "$OUT/topology.txt"
@@ -92,10 +79,6 @@ for STEP in "${@:-tests}"; do
       timeout ${CP_TIMEOUT:-420} torchrun --standalone --nproc-per-node $NPROC benchmarks/cp_scaling.py --out "$OUT/$CTAG" \
         ${CP_ARGS:-} 2>&1 | tee "$OUT/$CTAG.log" | grep -v "^W1" | tail -30
       pack $CTAG ;;
-    context)
-      timeout ${CONTEXT_TIMEOUT:-300} python3 benchmarks/batch_context.py --out "$OUT/context" ${CONTEXT_ARGS:-} \
-        2>&1 | tee "$OUT/context.log" | tail -30
-      pack context ;;
     demo)
       timeout ${DEMO_TIMEOUT:-120} tessera demo --device cuda 2>&1 | tee "$OUT/demo.log" | grep -v "it/s" | tail -8 ;;
     *) echo "unknown step $STEP" ;;

@@ -58,7 +58,7 @@ NATIVE = all_kernels()
 def load_cases(path: Path) -> dict[str, dict]:
     """case name -> {"record": first record of the case, "plans": {plan name: kernel ms}}: a kernel
     study's records, or a ``tessera profile`` run's (``--split evaluation`` for held-out cases;
-    records files may be gzipped)."""
+    records files may be compressed: ``.gz``, ``.xz``)."""
     records = list(read_records([path]))
     if records and "type" in records[0]:
         return profile_cases(records)

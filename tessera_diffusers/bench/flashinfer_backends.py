@@ -262,7 +262,7 @@ class FlashInferBsr(FlashInferBase):
     def describe(self) -> dict:
         out = super().describe()
         if self.backend == "fa3":
-            # FlashInfer's own run(), timed as it is; benchmarks/baseline_probe.py times the two parts
+            # FlashInfer's own run(), timed as it is: the index conversion and the kernel
             out["run_includes"] = ("block_sparse_indices_to_vector_sparse_offsets (block -> per-token K/V offsets, "
                                    "every call) + the SM90 paged kernel")
         return out

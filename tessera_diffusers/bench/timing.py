@@ -19,8 +19,7 @@ import torch
 from ..errors import InvalidArgumentError
 
 # Interleaved timing: untimed launches at least, before kernels are timed in turn, so that every
-# sample is taken with the GPU under sustained load (about 150 ms of 3-ms kernels;
-# benchmarks/timing_spread.py)
+# sample is taken with the GPU under sustained load (about 150 ms of 3-ms kernels; docs/results.md)
 INTERLEAVED_WARM_LAUNCHES = 48
 # How time_interleaved orders a round's launches ("shuffled": a seeded permutation per round). Records
 # without it (before 2026-11-30's second profile) started each round one kernel later ("rotated").
@@ -63,7 +62,7 @@ def time_kernel(run: Callable[[int], object], n_sets: int, warmup: int, reps: in
     """Median latency of ``run(set_index)``; call ``i`` uses input set ``i % n_sets``. With
     ``warmup_ms`` the warm-up goes on, after the ``warmup`` calls, until the calls have kept the
     device busy that long, so the samples are taken under sustained load (a kernel timed right after
-    an idle gap can run several percent faster than in a loop: ``benchmarks/timing_spread.py``)."""
+    an idle gap can run several percent faster than in a loop)."""
     check_counts(warmup, reps)
     if warmup_ms < 0:
         raise InvalidArgumentError("warmup_ms", "a non-negative number of milliseconds", warmup_ms)
@@ -127,7 +126,7 @@ def time_interleaved(runs: list[Callable[[int], object]], n_sets: int, warmup: i
     host sync until the end, so the GPU stays busy from the first warm-up to the last sample and
     every kernel is timed in the same sustained state; timed one after another, a kernel that
     follows an idle gap can run faster than one under load (up to 12% on the H200, as a higher clock
-    after idle would: ``benchmarks/timing_spread.py``). Sample ``r`` of every kernel uses input set
+    after idle would). Sample ``r`` of every kernel uses input set
     ``(warmup + r) % n_sets``. ``between()``, when given, is launched before every kernel (warm-up
     and timed) outside its timed span: other work, such as the projections that run between the
     attention calls of a model, so that each kernel is timed in that context.

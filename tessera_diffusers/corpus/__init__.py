@@ -29,8 +29,6 @@ from .cases import (
     enumerate_cases,
     split_of,
     split_seeds,
-    study_cases,
-    study_parser,
 )
 from .families import (
     ALL_SOURCES,
@@ -94,6 +92,4 @@ __all__ = [
     "save_corpus",
     "split_of",
     "split_seeds",
-    "study_cases",
-    "study_parser",
 ]

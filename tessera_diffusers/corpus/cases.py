@@ -8,13 +8,10 @@ source seed chunk.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
-from itertools import islice
-from pathlib import Path
 
 import torch
 
@@ -208,25 +205,6 @@ def enumerate_cases(
     for rank in range(seeds_per_combo):
         for fam, source, grid in combos:
             yield CaseSpec(fam.name, source, grid, heads or grid.heads, seeds[source][rank])
-
-
-def study_parser(doc: str | None, families: str, heads: bool = True) -> argparse.ArgumentParser:
-    """The command line of a CPU study over ``study_cases``: ``--families``, ``--cases`` (per
-    family), ``--heads`` (the first ones of each case; optional) and ``--md``."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default=families)
-    parser.add_argument("--cases", type=int, default=5, help="evaluation cases per family (one per source)")
-    if heads:
-        parser.add_argument("--heads", type=int, default=4, help="heads of each case to count (the first ones)")
-    parser.add_argument("--md", type=Path, default=None)
-    return parser
-
-
-def study_cases(families: Iterable[str], per_family: int, grid: LatentGrid) -> Iterator[CaseSpec]:
-    """The first ``per_family`` evaluation cases of each family on ``grid``, one seed per source
-    (the case set of the CPU studies in ``benchmarks/``), family by family."""
-    for family in families:
-        yield from islice(enumerate_cases("evaluation", families=[family], grids=[grid], seeds_per_combo=1), per_family)
 
 
 def count_cases(

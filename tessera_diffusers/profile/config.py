@@ -6,7 +6,6 @@ Cases come out seed rank by seed rank over every (size, family, source), so any 
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ class ProfileConfig:
     # the table stays honest; a plan that never came close on the first cases is not revisited.
     # 0 (default): every eligible plan on every case. With interleaved timing the later cases are
     # timed in smaller batches; on the H200 the best 64-row tile against the best 128-row tile
-    # stayed within the timing noise whether timed alone or among all plans (benchmarks/batch_context.py).
+    # stayed within the timing noise whether timed alone or among all plans (docs/results.md).
     contenders_after: int = 0
     contender_regret: float = 1.2
     # Validate every plan of a case first, then time them in turn with the GPU kept busy from the
@@ -141,42 +140,6 @@ class ProfileConfig:
                 seed = split_seeds(source, self.split, self.cases_per_combo)[rank]
                 out.append((size, CaseSpec(name, source, grid, heads, seed)))
         return out if self.max_cases is None else out[: self.max_cases]
-
-
-def add_case_arguments(parser: argparse.ArgumentParser, families: str, cases: int) -> None:
-    """The case selection of a study over profiler cases (``benchmarks/timing_spread.py``,
-    ``benchmarks/batch_context.py``): ``--families``, ``--sources``, ``--split``, ``--cases``,
-    ``--plan-filter``, ``--seed`` and ``--smoke``; ``study_config`` turns them into a config."""
-    parser.add_argument("--families", default=families)
-    parser.add_argument("--sources", default=None, help="comma list of corpus sources (default: all)")
-    parser.add_argument("--split", default="evaluation", choices=SPLITS)
-    parser.add_argument("--cases", type=int, default=cases, help="cases in all, the split's order")
-    parser.add_argument("--plan-filter", default=None, help="regular expression over plan names")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU configuration (executor plans)")
-
-
-def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
-    """``parser.error`` naming the first of the count options ``names`` (attribute names) below 1."""
-    for name in names:
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
-
-
-def study_config(args: argparse.Namespace, **timing) -> ProfileConfig:
-    """The ``ProfileConfig`` of ``add_case_arguments``' selection (the first ``--cases`` cases of
-    the split; the smoke configuration with ``--smoke``) with ``timing`` (warmup, reps) and
-    ``args.out`` as its directory; CUDA when there is a device."""
-    sources = None if args.sources is None else tuple(args.sources.split(","))
-    common = {"split": args.split, "max_cases": args.cases, "plan_filter": args.plan_filter, "sources": sources,
-              **timing}
-    if args.smoke:
-        return smoke_config(args.out, **common)
-    import torch  # the config itself needs no torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return ProfileConfig(out_dir=args.out, families=tuple(args.families.split(",")), device=device,
-                         cases_per_combo=max(1, args.cases), **common)
 
 
 def smoke_config(out_dir: Path, **overrides) -> ProfileConfig:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,14 +73,23 @@ class Progress:
         return contenders, seen
 
 
+def open_text(path: Path):
+    """``path`` for reading text, through gzip or xz where its name says so."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt")
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt")
+    return open(path)
+
+
 def read_records(paths: Iterable[str | Path], skipped: list | None = None) -> Iterator[dict]:
-    """Every record of the given files (gzipped where the name ends in ``.gz``). A line that is not JSON (a run killed mid-write) is skipped
-    and counted in ``skipped`` when given."""
+    """Every record of the given files (compressed where the name ends in ``.gz`` or ``.xz``). A line
+    that is not JSON (a run killed mid-write) is skipped and counted in ``skipped`` when given."""
     for path in paths:
         path = Path(path)
         if not path.is_file():
             continue
-        with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
+        with open_text(path) as f:
             for line in f:
                 if not line.strip():
                     continue

@@ -15,7 +15,7 @@ abandoned): timed one by one between validations, a plan's time depended on its 
 by up to +-10% (as the GPU's clock after each idle gap would make it), and a repeat run disagreed on
 the fastest plan. With ``context_gemm`` a dense GEMM runs before every timed launch (a model's
 projections between attention calls); on the H200 it did not change relative plan times, nor did
-the batch a plan shares (``benchmarks/batch_context.py``), so it is off by default.
+the batch a plan shares (``docs/results.md``), so it is off by default.
 
 On a device without native kernels (the CPU smoke run) the plans are PyTorch-executor plans
 (reference family); tests can also inject the timing function. Every result is appended to
