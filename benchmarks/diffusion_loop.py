@@ -280,9 +280,7 @@ class FlashInferBackend:
     def __init__(self, device: torch.device, backend: str = "auto", workspace_mb: int = 256):
         import flashinfer
 
-        self.wrapper_class = getattr(flashinfer, "VariableBlockSparseAttentionWrapper", None) or getattr(
-            flashinfer.sparse, "VariableBlockSparseAttentionWrapper"
-        )
+        self.wrapper_class = getattr(flashinfer, "VariableBlockSparseAttentionWrapper", None) or flashinfer.sparse.VariableBlockSparseAttentionWrapper
         self.backend = backend
         self.workspace = torch.empty(workspace_mb << 20, dtype=torch.uint8, device=device)
         self.lse_scale = 1.0

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from request_breakdown import fresh_mask
 
-from tessera_diffusers import LogicalMask, Runtime, build_mask_state, native_prepare, ops, runtime
+from tessera_diffusers import LogicalMask, Runtime, build_mask_state, mask_counts, native_prepare, ops, runtime
 from tessera_diffusers import selector as selector_module
 from tessera_diffusers.corpus import BENCH_32K, enumerate_cases
 from tessera_diffusers.cost_model import PlanEstimator
@@ -81,7 +81,7 @@ def targets(lib: ops.NativeLibrary) -> list[tuple[object, str, str]]:
         (Selector, "_scan", "select/_scan"),
         (Selector, "_arbitrate", "select/_arbitrate"),
         (selector_module, "estimate_with", "select/_arbitrate/estimate_with"),
-        (native_prepare, "launch_mask_counts", "select/_arbitrate/estimate_with/launch_mask_counts"),
+        (mask_counts, "launch_mask_counts", "select/_arbitrate/estimate_with/launch_mask_counts"),
         (lib.handle, "tessera_mask_counts", "select/_arbitrate/estimate_with/launch_mask_counts/ctypes"),
         (MaskState, "row_union_ratios", "select/_arbitrate/estimate_with/row_union_ratios"),
         (PlanEstimator, "__call__", "select/_arbitrate/estimate_with/estimator"),
@@ -196,9 +196,9 @@ def gpu_time_us(fn: Callable[[], object], reps: int = 20) -> float:
 def preparation_gpu(mask: LogicalMask, plan) -> dict:
     """Device time of the statistics launch (what a regime with a rule or the cost model reads on a cold request) and of the
     uncompacted preparation (each request's)."""
-    groups = native_prepare.union_rows_to_prefetch(mask.block_q)
+    groups = mask_counts.union_rows_to_prefetch(mask.block_q)
     return {
-        "mask_counts_us": gpu_time_us(lambda: native_prepare.launch_mask_counts(mask.blocks, groups, read=False)),
+        "mask_counts_us": gpu_time_us(lambda: mask_counts.launch_mask_counts(mask.blocks, groups, read=False)),
         "prepare_us": gpu_time_us(lambda: native_prepare.prepare_native(plan, build_mask_state(mask), False)),
     }
 

@@ -12,25 +12,24 @@ from tessera_diffusers.sparsifiers import DenseWarmup, spade_64
 TesseraProcessor(DenseWarmup(spade_64(), steps=10), recompute_every=2).attach(pipe.transformer)
 """
 
-from .backends import SparseAttentionBackend, TesseraBackend, merge_partials
-from .backends import AttentionTimer, TimedBackend
+from .backends import AttentionTimer, SparseAttentionBackend, TesseraBackend, TimedBackend, merge_partials
 from .context import ForwardContext, ModuleRoute, ProcessorHook, Route, TesseraHook, grid_from_rotary
 from .plan_cache import CacheSlot, StepCache
 from .processor import TesseraProcessor
 
 __all__ = [
     "AttentionTimer",
-    "TimedBackend",
-    "grid_from_rotary",
     "CacheSlot",
     "ForwardContext",
     "ModuleRoute",
+    "ProcessorHook",
     "Route",
     "SparseAttentionBackend",
     "StepCache",
     "TesseraBackend",
     "TesseraHook",
-    "ProcessorHook",
     "TesseraProcessor",
+    "TimedBackend",
+    "grid_from_rotary",
     "merge_partials",
 ]

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -53,8 +53,10 @@ from .compat import (
     registry_module,
 )
 
-if TYPE_CHECKING:
-    from .processor import TesseraProcessor
+# processor.py's TesseraProcessor as the modules it imports annotate it (the hooks here and the
+# routes of wan.py, hunyuan_video15.py and ulysses.py): it hands itself to them, and they name it so
+# without importing processor.py back.
+ProcessorLike = Any
 
 HOOK_NAME = "tessera_context"
 
@@ -320,7 +322,7 @@ class TesseraHook(ModelHook):
 
     _is_stateful = True
 
-    def __init__(self, processor: TesseraProcessor, model: int, patch: tuple[int, int, int]):
+    def __init__(self, processor: ProcessorLike, model: int, patch: tuple[int, int, int]):
         super().__init__()
         self.processor = processor
         self.model = model
@@ -351,7 +353,7 @@ class ProcessorHook(ModelHook):
 
     _is_stateful = True
 
-    def __init__(self, processor: TesseraProcessor):
+    def __init__(self, processor: ProcessorLike):
         super().__init__()
         self.processor = processor
         self.state_manager = StateManager(HookState)

@@ -18,7 +18,6 @@ and by gathering per sample otherwise. Full attention (a ``None`` mask) runs one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,11 +26,8 @@ from tessera_diffusers.mask import LogicalMask
 
 from .backends import dense_lse_attention, merge_partials
 from .compat import apply_rotary_emb
-from .context import ForwardContext, ModuleRoute, describe_argument
+from .context import ForwardContext, ModuleRoute, ProcessorLike, describe_argument
 from .plan_cache import CacheSlot
-
-if TYPE_CHECKING:
-    from .processor import TesseraProcessor
 
 
 @dataclass(frozen=True)
@@ -104,7 +100,7 @@ def project(attn: torch.nn.Module, states: torch.Tensor, added: bool) -> tuple[t
 
 
 def hunyuan_video15_joint_attention(
-    processor: TesseraProcessor,
+    processor: ProcessorLike,
     attn: torch.nn.Module,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor | None,
@@ -148,7 +144,7 @@ def hunyuan_video15_joint_attention(
 
 
 def video_only(
-    processor: TesseraProcessor,
+    processor: ProcessorLike,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -161,7 +157,7 @@ def video_only(
 
 
 def sparse_joint(
-    processor: TesseraProcessor,
+    processor: ProcessorLike,
     video: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     text: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     keys: TextKeys,
@@ -192,7 +188,7 @@ def sparse_joint(
 
 
 def with_text(
-    processor: TesseraProcessor,
+    processor: ProcessorLike,
     video: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     out_vv: torch.Tensor,
     lse_vv: torch.Tensor,
@@ -213,7 +209,7 @@ def with_text(
 
 
 def dense_joint(
-    processor: TesseraProcessor,
+    processor: ProcessorLike,
     video: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     text: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     keys: TextKeys,

@@ -36,7 +36,6 @@ from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
 
 
-
 @dataclass(eq=False)
 class CacheSlot:
     """What is kept for one key: a mask and the plan state built for it."""

@@ -37,7 +37,7 @@ import torch
 
 from tessera_diffusers.errors import InvalidArgumentError, MaskError
 from tessera_diffusers.mask import LogicalMask
-from tessera_diffusers.parallel import Ulysses, ulysses_processor_call
+from tessera_diffusers.parallel import Ulysses
 from tessera_diffusers.sparsifiers.adaptive import spade_64
 from tessera_diffusers.sparsifiers.base import LatentGrid, Sparsifier
 from tessera_diffusers.sparsifiers.layout import TileLayout
@@ -77,6 +77,7 @@ from .context import (
 )
 from .hunyuan_video15 import TextKeys, check_joint_attention_call, hunyuan_video15_joint_attention, text_keys
 from .plan_cache import CacheSlot, CacheStats, StepCache
+from .ulysses import ulysses_processor_call
 from .wan import check_wan_self_attention_call, wan_self_attention
 
 # Denoising steps kept dense before the sparse masks start: 20 % of the 50 steps both pipelines run
@@ -378,7 +379,7 @@ class TesseraProcessor(torch.nn.Module):
         call = self.context_for(route, hidden_states.shape[1], rotary, recomputing)
         if self.cache.max_bytes is None:
             self.cache.max_bytes = CACHE_SCALE * hidden_states.numel() * hidden_states.element_size()
-        if self.ulysses is not None:  # context parallelism: tessera_diffusers.parallel
+        if self.ulysses is not None:  # context parallelism: ulysses.py
             return ulysses_processor_call(self, attn, hidden_states, rotary_emb, route, call)
         if route.route is Route.WAN_SELF:
             return wan_self_attention(self, attn, hidden_states, rotary_emb, route, call)

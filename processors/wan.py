@@ -9,17 +9,12 @@ these act per token, so the tokens are put in the sparsifier's tile order *befor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tessera_diffusers.errors import InvalidArgumentError
 
 from .compat import wan_qkv_projections
-from .context import ForwardContext, ModuleRoute, describe_argument
-
-if TYPE_CHECKING:
-    from .processor import TesseraProcessor
+from .context import ForwardContext, ModuleRoute, ProcessorLike, describe_argument
 
 
 def apply_wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -76,7 +71,7 @@ def check_wan_self_attention_call(
 
 
 def wan_self_attention(
-    processor: TesseraProcessor,
+    processor: ProcessorLike,
     attn: torch.nn.Module,
     hidden_states: torch.Tensor,
     rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,

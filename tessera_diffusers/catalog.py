@@ -13,7 +13,6 @@ from functools import cache
 from .kernel_table import KernelRow, all_rows, hopper_rows, portable_rows
 from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, TaskOrganization, Traversal
 
-
 # Task organizations the plan space offers for every kernel.
 TASK_ORGANIZATIONS: tuple[TaskOrganization, ...] = (
     TaskOrganization(Traversal.LONGEST_FIRST, 1),

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from .cli import CommandLineParser, positive_int, run_command
+from .cli_common import CommandLineParser, positive_int, run_command
 from .errors import CatalogError, InvalidArgumentError
 
 DESCRIPTION = """\

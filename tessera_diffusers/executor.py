@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .prepare import PreparedPlan, query_rows
+from .prepared import PreparedPlan, query_rows
 
 NEG_INF = -math.inf
 

@@ -14,7 +14,7 @@ of active blocks before the index tensor can be allocated:
 ``compact_indices()`` gives the classic compact CSR column array (one host sync for its size).
 
 On CUDA the statistics' counts, ``kv_num_blocks`` and the row-union sums come from one native launch
-(``native_prepare.launch_mask_counts``, the same integers as the torch code below, which stays the
+(``mask_counts.launch_mask_counts``, the same integers as the torch code below, which stays the
 CPU path and the oracle) and reach the host in one read.
 """
 
@@ -29,6 +29,7 @@ from functools import cached_property
 
 import torch
 
+from . import library, mask_counts
 from .mask import LogicalMask
 
 
@@ -126,7 +127,7 @@ class MaskState:
         return {int(r): (cache[int(r)] if int(r) > 1 else 1.0) for r in rows}
 
     def native_counts(self, groups: tuple[int, ...] = (), read: bool = False):
-        """The native statistics launch of this mask (``native_prepare.NativeMaskCounts``), made on
+        """The native statistics launch of this mask (``mask_counts.NativeMaskCounts``), made on
         the first call, or None off the native path (not CUDA, no library, TESSERA_NATIVE_PREPARE=0).
 
         The launch computes the union sums of ``groups`` and of the query-tile heights the cost model
@@ -167,14 +168,12 @@ def build_mask_state(mask: LogicalMask) -> MaskState:
 
 
 def native_path(device: torch.device):
-    """The ``native_prepare`` module where tensors on ``device`` take the native path (CUDA, the
-    library loaded, ``TESSERA_NATIVE_PREPARE`` not "0"), else None; off CUDA without importing it
-    (it loads the native library)."""
+    """The ``mask_counts`` module where tensors on ``device`` take the native path (CUDA, the
+    library with the statistics function, ``TESSERA_NATIVE_PREPARE`` not "0"), else None; off
+    CUDA without asking the library."""
     if device.type != "cuda":
         return None
-    from . import native_prepare  # imports ops, which imports prepare, which imports this module
-
-    return native_prepare if native_prepare.native_path_enabled(device) else None
+    return mask_counts if library.native_path_enabled(device) else None
 
 
 def group_activity(flags: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:

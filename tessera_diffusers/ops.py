@@ -1,183 +1,40 @@
-"""The native kernel library, exposed to PyTorch as ``torch.library`` custom ops.
+"""The native attention kernels, exposed to PyTorch as ``torch.library`` custom ops, and their launch.
 
-The library is a torch-free shared object with a plain C ABI (``csrc/include/tessera/params.h``),
-loaded with ctypes: one build serves every Python and PyTorch version. The ops have fake kernels,
-so ``torch.compile`` traces through them, and the launch path does no host sync, so it can be
-captured in a CUDA graph (pass ``out``/``lse``/``workspace`` to also avoid allocation).
+The library (its C ABI and loader: ``library.py``) is loaded with ctypes on first use. The ops have
+fake kernels, so ``torch.compile`` traces through them, and the launch path does no host sync, so it
+can be captured in a CUDA graph (pass ``out``/``lse``/``workspace`` to also avoid allocation).
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
-import logging
-import os
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
 import torch
 
 from .catalog import kernel_spec_from_row
-from .errors import CatalogError, InvalidArgumentError, NativeKernelError, describe_tensor
+from .errors import CatalogError, InvalidArgumentError, describe_tensor
 from .kernel_table import all_rows
+
+# NativeLibrary, available_kernels, kernel_sources, library_path, load_library and native_available
+# are importable from here too.
+from .library import (  # noqa: F401
+    DTYPE_CODES,
+    NativeLibrary,
+    TesseraAttnParams,
+    TesseraMergeParams,
+    available_kernels,
+    current_stream_handle,
+    kernel_sources,
+    library_path,
+    load_library,
+    native_available,
+)
 from .plans import MEMBERSHIP_BITS, Family, KernelSpec, PhysicalPlan
-from .prepare import PreparedPlan, WorkspaceLayout
+from .prepared import PreparedPlan, WorkspaceLayout
 
-log = logging.getLogger(__name__)
-LIBRARY_FILE = "libtessera_kernels.so"
-# The C entry points the package calls (csrc/kernels/library.cu).
-ENTRY_POINTS = ("tessera_abi_version", "tessera_num_kernels", "tessera_kernel_name", "tessera_error_string",
-                "tessera_attention_forward", "tessera_split_merge")
-ABI_VERSION = 5
 LOG2E = 1.4426950408889634
-DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
-
-
-class TesseraAttnParams(ctypes.Structure):
-    """Mirror of ``TesseraAttnParams`` in params.h, field for field."""
-
-    _fields_ = [
-        ("q", ctypes.c_void_p),
-        ("k", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("o", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),
-        ("o_partial", ctypes.c_void_p),
-        ("lse_partial", ctypes.c_void_p),
-        ("q_stride", ctypes.c_int64 * 3),
-        ("k_stride", ctypes.c_int64 * 3),
-        ("v_stride", ctypes.c_int64 * 3),
-        ("o_stride", ctypes.c_int64 * 3),
-        ("batch", ctypes.c_int32),
-        ("heads", ctypes.c_int32),
-        ("seq_q", ctypes.c_int32),
-        ("seq_kv", ctypes.c_int32),
-        ("mask_batch", ctypes.c_int32),
-        ("mask_heads", ctypes.c_int32),
-        ("num_q_tiles", ctypes.c_int32),
-        ("capacity", ctypes.c_int32),
-        ("slots", ctypes.c_int32),
-        ("q_unit_log2", ctypes.c_int32),
-        ("kv_unit_log2", ctypes.c_int32),
-        ("num_splits", ctypes.c_int32),
-        ("grid_size", ctypes.c_int32),
-        ("tile_counts", ctypes.c_void_p),
-        ("tile_slots", ctypes.c_void_p),
-        ("tile_member", ctypes.c_void_p),
-        ("q_order", ctypes.c_void_p),
-        ("scale_log2", ctypes.c_float),
-        ("task_counter", ctypes.c_void_p),
-        ("q_units", ctypes.c_void_p),
-    ]
-
-
-class TesseraMergeParams(ctypes.Structure):
-    """Mirror of ``TesseraMergeParams`` in params.h."""
-
-    _fields_ = [
-        ("o_partial", ctypes.c_void_p),
-        ("lse_partial", ctypes.c_void_p),
-        ("o", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),
-        ("o_stride", ctypes.c_int64 * 3),
-        ("batch", ctypes.c_int32),
-        ("heads", ctypes.c_int32),
-        ("seq_q", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("num_splits", ctypes.c_int32),
-        ("dtype", ctypes.c_int32),
-    ]
-
-
-@dataclass(frozen=True)
-class NativeLibrary:
-    """The loaded library and its kernels by name."""
-
-    path: str
-    handle: ctypes.CDLL
-    kernel_ids: dict  # name -> id
-    manifest: dict
-
-    def check(self, code: int, what: str) -> None:
-        if code != 0:
-            message = self.handle.tessera_error_string(code).decode()
-            raise NativeKernelError(f"{what} failed: CUDA error {code} ({message})")
-
-
-def library_path() -> str:
-    override = os.environ.get("TESSERA_NATIVE_LIB")
-    if override:
-        return override
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native", LIBRARY_FILE)
-
-
-@cache
-def load_library() -> NativeLibrary:
-    """Load and check the native library once per process. Raises ``CatalogError``."""
-    path = library_path()
-    if not os.path.isfile(path):
-        raise CatalogError(
-            f"native library not found at {path}: install with nvcc available (TESSERA_CUDA_ARCHS not 'none') "
-            "or build it with `python csrc/build_native.py`"
-        )
-    try:
-        handle = ctypes.CDLL(path)
-    except OSError as err:
-        raise CatalogError(f"cannot load {path}: {err}") from err
-    missing = [name for name in ENTRY_POINTS if not hasattr(handle, name)]
-    if missing:
-        raise CatalogError(f"{path} is not a Tessera kernel library (no {missing[0]}); unset TESSERA_NATIVE_LIB "
-                           "or point it at a build of csrc/build_native.py")
-    handle.tessera_kernel_name.restype = ctypes.c_char_p
-    handle.tessera_error_string.restype = ctypes.c_char_p
-    handle.tessera_attention_forward.argtypes = [ctypes.c_int, ctypes.POINTER(TesseraAttnParams), ctypes.c_void_p]
-    handle.tessera_split_merge.argtypes = [ctypes.POINTER(TesseraMergeParams), ctypes.c_void_p]
-    if handle.tessera_abi_version() != ABI_VERSION:
-        raise CatalogError(f"{path}: ABI version {handle.tessera_abi_version()}, expected {ABI_VERSION}; rebuild it")
-    names = [handle.tessera_kernel_name(i).decode() for i in range(handle.tessera_num_kernels())]
-    known = {row.name for row in all_rows()}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise CatalogError(f"{path} holds kernels the kernel table does not know ({unknown[:3]}...); rebuild it")
-    manifest_path = os.path.join(os.path.dirname(path), "manifest.json")
-    manifest = {}
-    if os.path.isfile(manifest_path):
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        if manifest.get("kernels") != names:
-            raise CatalogError(f"{manifest_path} does not list the kernels of {path}; rebuild the library")
-    log.info("native library %s: %d kernels, kernel sources %s", path, len(names), manifest.get("kernel_sources"))
-    return NativeLibrary(path, handle, {n: i for i, n in enumerate(names)}, manifest)
-
-
-def available_kernels() -> tuple[KernelSpec, ...]:
-    """KernelSpecs of every kernel the loaded library holds (``CatalogError`` if none)."""
-    lib = load_library()
-    rows = {row.name: row for row in all_rows()}
-    return tuple(kernel_spec_from_row(rows[name]) for name in lib.kernel_ids)
-
-
-SOURCE_HASHES = ("kernel_sources", "grouping_sources")  # the manifest's source hashes
-
-
-def kernel_sources(part: str = "kernel_sources") -> str | None:
-    """A source hash of the loaded library's manifest (``csrc/build_native.py``): ``kernel_sources``
-    (the attention kernels and what the natural plans run) or ``grouping_sources`` (the grouping
-    kernel), or None when no library loads or its manifest predates that hash."""
-    if part not in SOURCE_HASHES:
-        raise InvalidArgumentError("part", f"one of {SOURCE_HASHES}", repr(part))
-    try:
-        return load_library().manifest.get(part)
-    except CatalogError:
-        return None
-
-
-def native_available() -> bool:
-    try:
-        load_library()
-    except CatalogError:
-        return False
-    return torch.cuda.is_available()
 
 
 def aligned(t: torch.Tensor) -> bool:
@@ -408,14 +265,6 @@ def unbound_template(kernel: str, config: tuple[int, ...], q_shape: tuple[int, .
         m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits = batch, heads, seq_q, head_dim, num_splits
         m.dtype = DTYPE_CODES[dtype]
     return LaunchTemplate(kid, p, m)
-
-
-def current_stream_handle(device: torch.device) -> int:
-    """The raw handle of ``device``'s current CUDA stream (what ``torch.cuda.current_stream(device)
-    .cuda_stream`` gives, without building a Stream object on every launch)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def launch_filled(template: LaunchTemplate, p: TesseraAttnParams, m: TesseraMergeParams | None,

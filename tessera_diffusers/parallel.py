@@ -37,11 +37,13 @@ The all-to-alls run on the copy engines where every rank is on one host with pee
 (``tessera_diffusers.peer_exchange``; no SM is taken from the attention kernels), NCCL's
 ``all_to_all_single`` elsewhere (``Ulysses(transport=...)``, ``TESSERA_ULYSSES_TRANSPORT``).
 
-So the processor does: per-token projections, QK norms and RoPE on its ``S / N`` raster tokens (all
-heads; the RoPE tables come split by the ``_cp_plan``), all-to-all to ``[B, S, H / N, D]``, tile
-permutation, the sparsifier's mask for its heads (a mask over all heads is sliced), Tessera with the
-step cache, inverse permutation, all-to-all back, output projection. Dense decisions (warm-up) run
-through ``dispatch_attention_fn`` on the rank's heads without a parallel config.
+So the processor does (``tessera_diffusers.processors.ulysses``, on ``layout_attention`` here; this
+module imports nothing of diffusers or the processors): per-token projections, QK norms and RoPE on
+its ``S / N`` raster tokens (all heads; the RoPE tables come split by the ``_cp_plan``), all-to-all
+to ``[B, S, H / N, D]``, tile permutation, the sparsifier's mask for its heads (a mask over all heads
+is sliced), Tessera with the step cache, inverse permutation, all-to-all back, output projection.
+Dense decisions (warm-up) run through ``dispatch_attention_fn`` on the rank's heads without a
+parallel config.
 
 Limits: ring attention (``ring_degree > 1``, also unified ring x Ulysses) and ``ulysses_anything``
 are refused with a ``TesseraError`` — ring would need per-chunk masks merged by log-sum-exp;
@@ -61,7 +63,7 @@ import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,11 +73,6 @@ from .mask import LogicalMask
 from .peer_exchange import CopyEngineAllToAll, PeerExchangeError, copy_engine_unavailable
 from .plans import PhysicalPlan
 from .runtime import Runtime
-
-if TYPE_CHECKING:
-    from .processors import TesseraProcessor
-    from .processors.context import ForwardContext, ModuleRoute
-
 
 # Head chunks per rank of the pipelined exchange: two scaled best on 2 x H200 (docs/results.md,
 # "Design decisions"). Each chunk's packing copies and token permutations are kernels, which cannot
@@ -604,106 +601,6 @@ class RasterOrder:
 
 
 RASTER_ORDER = RasterOrder()
-
-
-# ====================================================================== diffusers processors
-def ulysses_processor_call(
-    processor: TesseraProcessor,
-    attn: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
-    route: ModuleRoute,
-    call: ForwardContext,
-) -> Any:
-    """A sparse route of ``TesseraProcessor`` under context parallelism (``processor.ulysses`` set)."""
-    from .processors.context import Route
-
-    if route.route is Route.WAN_SELF:
-        return ulysses_wan_self_attention(processor, attn, hidden_states, rotary_emb, route, call)
-    raise ContextParallelError(
-        f"{route.route.value}: context parallelism is supported for Wan2.1 video self-attention only; "
-        "HunyuanVideo-1.5 has no _cp_plan in diffusers 0.42.1 and its joint video+text attention is not "
-        "split by Tessera — run it without enable_parallelism"
-    )
-
-
-def ulysses_wan_self_attention(
-    processor: TesseraProcessor,
-    attn: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
-    route: ModuleRoute,
-    call: ForwardContext,
-) -> torch.Tensor:
-    """Wan2.1 ``attn1`` on this rank's raster chunk of tokens.
-
-    ``hidden_states [B, S/N, C]`` (rank chunk of the raster order, as Wan's ``_cp_plan`` splits it),
-    ``rotary_emb`` cos/sin ``[1, S/N, 1, D]`` (split alike) -> ``[B, S/N, C]``. Same projections,
-    norms, RoPE and output projection as ``processors.wan.wan_self_attention``; the token permutation
-    into the sparsifier's tile order happens after the all-to-all, on the whole sequence."""
-    from .processors.compat import wan_qkv_projections
-    from .processors.wan import apply_wan_rotary
-
-    ulysses: Ulysses = processor.ulysses
-    seq = hidden_states.shape[1] * ulysses.degree
-    layout = processor.layout_for(route, call.grid, seq)
-    query, key, value = wan_qkv_projections(attn, hidden_states, None)
-    query = attn.norm_q(query)  # RMSNorm over all heads: per token, so on the local chunk as well
-    key = attn.norm_k(key)
-    query = query.unflatten(2, (attn.heads, -1))  # [B, S/N, H, D]
-    key = key.unflatten(2, (attn.heads, -1))
-    value = value.unflatten(2, (attn.heads, -1))
-    if rotary_emb is not None:
-        cos, sin = rotary_emb
-        if cos.shape[1] != hidden_states.shape[1]:
-            raise InvalidArgumentError(
-                "rotary_emb",
-                f"cos/sin over this rank's {hidden_states.shape[1]} tokens [1, S/N, 1, D] (split by the _cp_plan)",
-                f"shape {tuple(cos.shape)}",
-            )
-        query = apply_wan_rotary(query, cos, sin)
-        key = apply_wan_rotary(key, cos, sin)
-
-    out = pipelined_video_attention(processor, query, key, value, layout, route, call)  # [B, S/N, H, D]
-    out = out.flatten(2, 3).type_as(query)
-    out = attn.to_out[0](out)
-    return attn.to_out[1](out)
-
-
-def pipelined_video_attention(
-    processor: TesseraProcessor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layout: Any,
-    route: ModuleRoute,
-    call: ForwardContext,
-) -> torch.Tensor:
-    """``TesseraProcessor``'s video attention on ``[B, S/N, H, D]`` raster chunks (``layout_attention``
-    with the step cache's mask, the sparsifier and the processor's backend)."""
-    ulysses: Ulysses = processor.ulysses
-    batch, heads = query.shape[0], query.shape[2] // ulysses.degree
-    slot = processor.kept_video_slot(route, call, layout, batch, heads, query.device)
-    spans = ulysses.head_spans(query.shape[2])
-
-    def make_mask(q, k):  # on this rank's heads, or on a head chunk of them (head_separable)
-        return processor.sparsify(route, call, layout, q, k, heads)
-
-    def keep(mask):
-        nonlocal slot
-        mask, slot = processor.keep_video_mask(route, call, layout, mask, batch, heads, query.device)
-        return mask
-
-    def attend(chunk, q, k, v, mask):
-        # backends written before head parts take no ``part``: it is only passed when there are parts
-        part = {} if len(spans) == 1 else {"part": spans[chunk]}
-        return processor.backend.attention(q, k, v, mask, slot=slot, cache=processor.cache, **part)
-
-    return layout_attention(
-        ulysses, query, key, value, layout, attend,
-        mask=None if slot is None else slot.mask, make_mask=make_mask, keep=keep, dense=processor.dense_attention,
-        separable=bool(getattr(processor.sparsifier_for(route), "head_separable", False)),
-    )  # fmt: skip
 
 
 def layout_attention(

@@ -58,21 +58,13 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
-from . import ops
+from . import library
 from .errors import CatalogError, InvalidArgumentError, describe_tensor
+from .library import TesseraGroupParams, block_mask_struct, on_device, stream_handle
 from .mask_state import group_activity
-from .native_prepare import (
-    TesseraBlockMask,
-    block_mask_struct,
-    native_library,
-    native_path_enabled,
-    on_device,
-    stream_handle,
-)
 
 DEFAULT_WINDOW = 64  # query blocks after a group's seed it may take
 DEFAULT_SEGMENT = 128  # query blocks per segment (module docstring)
@@ -81,23 +73,7 @@ LACK_WEIGHT = 1  # the pick counts the blocks in which a candidate and the union
 # this many bytes: larger temporaries ran several times slower (24 heads of Q16K16 at N = 32k in
 # 192 segments of 256 rows, 2 cores: 17-22 s in one batch of 25 MB, 1.5-3 s in batches of 2-3 MB).
 CPU_BATCH_BYTES = 1 << 21
-STRUCT_GROUP = 5  # TESSERA_STRUCT_GROUP of params.h
 CUDA_ERROR_INVALID_CONFIGURATION = 9  # the kernel's window of packed rows does not fit in shared memory
-
-
-class TesseraGroupParams(ctypes.Structure):
-    """Mirror of ``TesseraGroupParams`` in params.h."""
-
-    _fields_ = [
-        ("mask", TesseraBlockMask),
-        ("group", ctypes.c_int32),
-        ("window", ctypes.c_int32),
-        ("num_slots", ctypes.c_int32),
-        ("segment", ctypes.c_int32),
-        ("q_units", ctypes.c_void_p),
-        ("key_blocks", ctypes.c_void_p),
-        ("segment_key_blocks", ctypes.c_void_p),
-    ]
 
 
 @dataclass(frozen=True)
@@ -238,28 +214,9 @@ def group_query_blocks_torch(
     )
 
 
-@cache
-def grouping_library() -> ops.NativeLibrary | None:
-    """The kernel library with ``tessera_group_query_blocks`` typed, or None where it lacks it.
-    Raises ``CatalogError`` if the struct's mirror differs in size from the library's."""
-    lib = native_library()
-    if lib is None:
-        return None
-    handle = lib.handle
-    try:
-        handle.tessera_group_query_blocks.argtypes = [ctypes.POINTER(TesseraGroupParams), ctypes.c_void_p]
-    except AttributeError:
-        return None
-    native_bytes = handle.tessera_struct_bytes(STRUCT_GROUP)
-    if native_bytes != ctypes.sizeof(TesseraGroupParams):
-        raise CatalogError(f"{lib.path}: TesseraGroupParams has {native_bytes} bytes, its mirror in regroup.py "
-                           f"{ctypes.sizeof(TesseraGroupParams)}; rebuild the library")
-    return lib
-
-
 def native_grouping_enabled(device: torch.device) -> bool:
-    """Whether masks on ``device`` are grouped by the CUDA kernel (see ``native_path_enabled``)."""
-    return native_path_enabled(device) and grouping_library() is not None
+    """Whether masks on ``device`` are grouped by the CUDA kernel (see ``library.native_path_enabled``)."""
+    return library.native_path_enabled(device) and library.grouping_library() is not None
 
 
 def group_query_blocks_native(
@@ -272,7 +229,7 @@ def group_query_blocks_native(
     device = blocks.device
     if device.type != "cuda":
         raise InvalidArgumentError("blocks", "a CUDA tensor for the native path", f"device {device}")
-    lib = grouping_library()
+    lib = library.grouping_library()
     if lib is None:
         raise CatalogError("the native library has no tessera_group_query_blocks: rebuild it with "
                            "`python csrc/build_native.py`, or set TESSERA_NATIVE_PREPARE=0")

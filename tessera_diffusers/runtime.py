@@ -11,8 +11,8 @@ import logging
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cache
 from typing import NamedTuple
 

@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
+from . import library
 from .catalog import all_kernels, plans_for
 from .cost_model import PlanEstimator
 from .eligibility import rejection
@@ -143,23 +144,19 @@ def discover_kernels(arch: str) -> tuple[tuple[KernelSpec, ...], str | None]:
 
 @cache
 def library_kernels() -> tuple[KernelSpec, ...]:
-    """``ops.available_kernels()`` once per process, like the library load it reads (a failure is not
-    kept: the next call tries again). A fresh ``Selector`` — one per cold ``Runtime`` — then costs
-    no catalog rebuild, and the table's catalog check hashes the same tuple object."""
-    from . import ops  # the native library is loaded on first native use only
-
-    return ops.available_kernels()
+    """``library.available_kernels()`` once per process, like the library load it reads (a failure
+    is not kept: the next call tries again). A fresh ``Selector`` — one per cold ``Runtime`` — then
+    costs no catalog rebuild, and the table's catalog check hashes the same tuple object."""
+    return library.available_kernels()
 
 
 def library_kernel_sources(cuda: bool = True, part: str = "kernel_sources") -> str | None:
-    """A source hash of the native library (``ops.kernel_sources``; ``part`` "grouping_sources" for
-    the grouping kernel's): None off CUDA (``cuda`` False), without a library, or for a library
+    """A source hash of the native library (``library.kernel_sources``; ``part`` "grouping_sources"
+    for the grouping kernel's): None off CUDA (``cuda`` False), without a library, or for a library
     built before that hash existed."""
     if not cuda:
         return None
-    from . import ops
-
-    return ops.kernel_sources(part)
+    return library.kernel_sources(part)
 
 
 @lru_cache(maxsize=256)

@@ -9,9 +9,9 @@ import torch
 def native_ready() -> bool:
     if not torch.cuda.is_available():
         return False
-    from tessera_diffusers import ops
+    from tessera_diffusers import library
 
-    return ops.native_available()
+    return library.native_available()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,7 +21,8 @@ from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.executor import run_prepared
 from tessera_diffusers.plans import AxisMapping, Request
-from tessera_diffusers.prepare import prepare_torch, query_rows
+from tessera_diffusers.prepare import prepare_torch
+from tessera_diffusers.prepared import query_rows
 from tessera_diffusers.regroup import permuted_blocks
 from tessera_diffusers.testing import check_against_reference, interleaved_mask, random_mask, random_qkv
 

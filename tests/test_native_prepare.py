@@ -30,13 +30,15 @@ from tessera_diffusers import (
     TaskOrganization,
     Traversal,
     build_mask_state,
+    library,
+    mask_counts,
     mask_state,
     native_prepare,
     prepare,
 )
 from tessera_diffusers.catalog import reference_kernel
+from tessera_diffusers.library import NativeLibrary
 from tessera_diffusers.mask_state import count_blocks, group_activity, host_stats_from_counts, stats_from_counts
-from tessera_diffusers.ops import NativeLibrary
 from tessera_diffusers.prepare import prepare_torch
 from tessera_diffusers.testing import metadata_difference, metadata_plans, random_mask
 
@@ -196,7 +198,7 @@ class EmulatedHandle:
         if not m.blocks or min(m.batch, m.heads, m.rows, m.cols) < 1 or not p.counts or not 0 <= p.num_groups <= 4:
             return CUDA_INVALID_VALUE
         data, (s0, s1, s2, s3) = block_reader(m)
-        out = raw(p.counts, ctypes.c_int64, native_prepare.MASK_COUNT_SLOTS)
+        out = raw(p.counts, ctypes.c_int64, mask_counts.MASK_COUNT_SLOTS)
         out[:] = 0
         groups = list(p.group_rows)[:p.num_groups]
         row_counts = raw(p.row_counts, ctypes.c_int32, m.batch * m.heads * m.rows) if p.row_counts else None
@@ -225,7 +227,7 @@ class EmulatedHandle:
             if row_counts is not None:
                 row_counts[row] = active
         if host_counts is not None:
-            for c in range(native_prepare.MASK_COUNT_SLOTS):
+            for c in range(mask_counts.MASK_COUNT_SLOTS):
                 host_counts[c] = int(out[c])
         return 0
 
@@ -316,7 +318,7 @@ def test_emulated_mask_counts_equal_torch():
         mask = random_mask(bm, hm, 170 + 9 * seed, 230, 16, 32, density=0.1 + 0.2 * seed, seed=seed)
         blocks = mask.blocks
         for groups in ((), (2,), (1, 3, 4, 50)):
-            got = native_prepare.launch_mask_counts(blocks, groups, read=bool(seed % 2), library=lib)
+            got = mask_counts.launch_mask_counts(blocks, groups, read=bool(seed % 2), library=lib)
             row_counts = blocks.sum(-1, dtype=torch.int32)
             assert tuple(got.counts.tolist()) == tuple(count_blocks(blocks, row_counts).tolist())
             assert torch.equal(got.row_counts, row_counts)
@@ -340,7 +342,7 @@ def test_native_prepare_dispatches_a_few_ops_and_no_torch_read():
     assert capturable.others == ["aten.empty.memory_format"] and capturable.views <= 6
     assert lib.handle.calls == ["prepare_counts", "prepare_fill", "prepare_fill"]
     with OpCounter() as counts:
-        native_prepare.launch_mask_counts(mask.blocks, (2, 4), read=True, library=lib)
+        mask_counts.launch_mask_counts(mask.blocks, (2, 4), read=True, library=lib)
     assert counts.others == ["aten.empty.memory_format"] and counts.views <= 4
 
 
@@ -358,19 +360,20 @@ def test_native_failure_raises():
 
 
 def emulated_native_path(lib: NativeLibrary, launches: list | None = None):
-    """A stand-in for the ``native_prepare`` module that ``native_path`` returns on CUDA, running
-    the emulated library on CPU tensors (records the group sizes of each statistics launch)."""
+    """A stand-in for the modules the native paths return on CUDA (``mask_state.native_path``:
+    ``mask_counts``; ``prepare.native_path``: ``native_prepare``), running the emulated library on
+    CPU tensors (records the group sizes of each statistics launch)."""
 
     def launch_mask_counts(blocks, groups=(), read=True):
         if launches is not None:
             launches.append(groups)
-        return native_prepare.launch_mask_counts(blocks, groups, read, library=lib)
+        return mask_counts.launch_mask_counts(blocks, groups, read, library=lib)
 
     return SimpleNamespace(
         prepare_native=functools.partial(native_prepare.prepare_native, library=lib),
         launch_mask_counts=launch_mask_counts,
-        union_rows_to_prefetch=native_prepare.union_rows_to_prefetch,
-        MAX_UNION_GROUPS=native_prepare.MAX_UNION_GROUPS,
+        union_rows_to_prefetch=mask_counts.union_rows_to_prefetch,
+        MAX_UNION_GROUPS=library.MAX_UNION_GROUPS,
     )
 
 
@@ -379,9 +382,10 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the native path was taken for CPU tensors")
 
-    monkeypatch.setattr(native_prepare, "native_path_enabled", refuse)
-    monkeypatch.setattr(native_prepare, "native_library", refuse)
+    monkeypatch.setattr(library, "native_path_enabled", refuse)
+    monkeypatch.setattr(library, "native_library", refuse)
     assert mask_state.native_path(torch.device("cpu")) is None
+    assert prepare_module.native_path(torch.device("cpu")) is None
     mask = random_mask(1, 2, 300, 300, 32, 32, seed=2)
     state = build_mask_state(mask)
     plan = PhysicalPlan(32, 32, KvLayout.PACKED, TaskOrganization(), reference_kernel(16, "fp32", 64, 64))
@@ -389,21 +393,24 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
     assert state.native_counts() is None
     state.host_stat_values, state.row_union_ratios((2, 4))
     with pytest.raises(InvalidArgumentError, match="a CUDA tensor"):
-        native_prepare.require_library(torch.device("cpu"), None)
+        library.require_library(torch.device("cpu"), None)
 
 
 def test_switch_and_library_decide_the_native_path(monkeypatch):
     cuda = torch.device("cuda")
-    monkeypatch.setattr(native_prepare, "native_library", emulated_library)
-    monkeypatch.delenv(native_prepare.NATIVE_PREPARE_ENV, raising=False)
-    assert native_prepare.native_path_enabled(cuda) and mask_state.native_path(cuda) is native_prepare
-    assert not native_prepare.native_path_enabled(torch.device("cpu"))
-    monkeypatch.setenv(native_prepare.NATIVE_PREPARE_ENV, "0")
-    assert not native_prepare.native_path_enabled(cuda) and mask_state.native_path(cuda) is None
-    monkeypatch.setenv(native_prepare.NATIVE_PREPARE_ENV, "1")
-    assert native_prepare.native_path_enabled(cuda)
-    monkeypatch.setattr(native_prepare, "native_library", lambda: None)
-    assert not native_prepare.native_path_enabled(cuda)
+    monkeypatch.setattr(library, "native_library", emulated_library)
+    monkeypatch.delenv(library.NATIVE_PREPARE_ENV, raising=False)
+    assert library.native_path_enabled(cuda)
+    assert mask_state.native_path(cuda) is mask_counts and prepare_module.native_path(cuda) is native_prepare
+    assert not library.native_path_enabled(torch.device("cpu"))
+    monkeypatch.setenv(library.NATIVE_PREPARE_ENV, "0")
+    assert not library.native_path_enabled(cuda)
+    assert mask_state.native_path(cuda) is None and prepare_module.native_path(cuda) is None
+    monkeypatch.setenv(library.NATIVE_PREPARE_ENV, "1")
+    assert library.native_path_enabled(cuda)
+    monkeypatch.setattr(library, "native_library", lambda: None)
+    assert not library.native_path_enabled(cuda)
+    assert mask_state.native_path(cuda) is None and prepare_module.native_path(cuda) is None
 
 
 def test_prepare_dispatches_to_the_native_path(monkeypatch):
@@ -470,11 +477,11 @@ def test_host_ratios_equal_the_tensor_ratios():
 
 
 def test_union_prefetch_follows_the_kernel_tiles():
-    assert native_prepare.union_rows_to_prefetch(16) == (4, 8)
-    assert native_prepare.union_rows_to_prefetch(32) == (2, 4)
-    assert native_prepare.union_rows_to_prefetch(64) == (2,)
-    assert native_prepare.union_rows_to_prefetch(128) == ()
-    assert math.prod(native_prepare.union_rows_to_prefetch(384)) == 1
+    assert mask_counts.union_rows_to_prefetch(16) == (4, 8)
+    assert mask_counts.union_rows_to_prefetch(32) == (2, 4)
+    assert mask_counts.union_rows_to_prefetch(64) == (2,)
+    assert mask_counts.union_rows_to_prefetch(128) == ()
+    assert math.prod(mask_counts.union_rows_to_prefetch(384)) == 1
 
 
 def test_default_compaction_policy():

@@ -26,6 +26,8 @@ from tessera_diffusers import (
     TaskOrganization,
     Traversal,
     build_mask_state,
+    library,
+    mask_counts,
     native_prepare,
     prepare,
 )
@@ -42,10 +44,10 @@ CUDA_INVALID_VALUE = 1
 
 @pytest.fixture(autouse=True)
 def native_library_present():
-    if native_prepare.native_library() is None:
+    if library.native_library() is None:
         pytest.skip("the loaded library has no tessera_prepare_* functions (rebuild it)")
-    if os.environ.get(native_prepare.NATIVE_PREPARE_ENV) == "0":
-        pytest.skip(f"{native_prepare.NATIVE_PREPARE_ENV}=0 turns the native path off")
+    if os.environ.get(library.NATIVE_PREPARE_ENV) == "0":
+        pytest.skip(f"{library.NATIVE_PREPARE_ENV}=0 turns the native path off")
 
 
 def masks_for(block_q: int, block_kv: int, device: torch.device) -> list[tuple[str, LogicalMask]]:
@@ -126,7 +128,7 @@ def test_prepare_takes_the_native_path_on_cuda(monkeypatch):
 
     native = prepare(plan, state, compact=True)
     assert one_storage(native)
-    monkeypatch.setenv(native_prepare.NATIVE_PREPARE_ENV, "0")
+    monkeypatch.setenv(library.NATIVE_PREPARE_ENV, "0")
     oracle = prepare(plan, state, compact=True)
     assert not one_storage(oracle)
     assert metadata_difference(native, oracle) is None
@@ -186,11 +188,11 @@ def test_native_mask_counts_equal_torch(bq, bkv):
         blocks = mask.blocks
         n_q = blocks.shape[2]
         rows = (2, 3, 4, 8, 1, n_q + 3)
-        counts, unions = native_prepare.mask_counts_native(blocks, rows)
+        counts, unions = mask_counts.mask_counts_native(blocks, rows)
         row_counts = blocks.sum(-1, dtype=torch.int32)
         assert counts == tuple(count_blocks(blocks, row_counts).tolist()), label
         assert unions == {r: int(group_activity(blocks, r, dim=-2).sum()) for r in rows}, label
-        launched = native_prepare.launch_mask_counts(blocks, (2,), read=False)
+        launched = mask_counts.launch_mask_counts(blocks, (2,), read=False)
         assert torch.equal(launched.row_counts, row_counts), label
         assert launched.host_counts()[:6] == counts, label
 
@@ -200,7 +202,7 @@ def test_native_mask_counts_on_a_large_mask():
     device = torch.device("cuda")
     mask = random_mask(1, 24, 32768, 32768, 16, 16, density=0.05, seed=9, device=device)
     blocks = mask.blocks
-    counts, unions = native_prepare.mask_counts_native(blocks, (4, 8))
+    counts, unions = mask_counts.mask_counts_native(blocks, (4, 8))
     assert counts == tuple(count_blocks(blocks, blocks.sum(-1, dtype=torch.int32)).tolist())
     assert unions == {r: int(group_activity(blocks, r, dim=-2).sum()) for r in (4, 8)}
 
@@ -219,7 +221,7 @@ def test_native_mask_counts_on_word_rows(cols):
     blocks[:, :, 2, 1::2] = False
     blocks = blocks[..., :cols]
     for view in (blocks, blocks.contiguous()):  # word rows when cols % 4 == 0, else the byte path
-        counts, unions = native_prepare.mask_counts_native(view, (2, 3, 8, rows + 1))
+        counts, unions = mask_counts.mask_counts_native(view, (2, 3, 8, rows + 1))
         row_counts = view.sum(-1, dtype=torch.int32)
         assert counts == tuple(count_blocks(view, row_counts).tolist()), view.stride()
         assert unions == {r: int(group_activity(view, r, dim=-2).sum()) for r in (2, 3, 8, rows + 1)}
@@ -234,7 +236,7 @@ def test_mask_state_native_statistics_equal_torch(monkeypatch):
             values, ratios = native.host_stat_values, native.row_union_ratios(sizes)
             assert native.native_counts() is not None
             with monkeypatch.context() as torch_only:
-                torch_only.setenv(native_prepare.NATIVE_PREPARE_ENV, "0")
+                torch_only.setenv(library.NATIVE_PREPARE_ENV, "0")
                 oracle = build_mask_state(mask)
                 assert oracle.native_counts() is None
                 assert values == oracle.host_stat_values, label
@@ -246,20 +248,20 @@ def test_mask_state_native_statistics_equal_torch(monkeypatch):
 
 
 def test_invalid_parameters_are_refused():
-    handle = native_prepare.native_library().handle
+    handle = library.native_library().handle
     stream = torch.cuda.current_stream().cuda_stream
-    p = native_prepare.TesseraPrepareParams()  # all zero: no mask
+    p = library.TesseraPrepareParams()  # all zero: no mask
     assert handle.tessera_prepare_fill(ctypes.byref(p), stream) == CUDA_INVALID_VALUE
     assert handle.tessera_prepare_counts(ctypes.byref(p), None, stream) == CUDA_INVALID_VALUE
-    m = native_prepare.TesseraMaskCountsParams()
+    m = library.TesseraMaskCountsParams()
     assert handle.tessera_mask_counts(ctypes.byref(m), None, stream) == CUDA_INVALID_VALUE
     blocks = torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda")
     with pytest.raises(InvalidArgumentError, match="group sizes"):
-        native_prepare.launch_mask_counts(blocks, (1, 2, 3, 4, 5))
+        mask_counts.launch_mask_counts(blocks, (1, 2, 3, 4, 5))
     # Units that do not divide the blocks: the library checks the geometry itself too.
     mask = random_mask(1, 1, 300, 300, 32, 32, seed=0, device="cuda")
-    q = native_prepare.TesseraPrepareParams()
-    q.mask = native_prepare.block_mask_struct(mask.blocks)
+    q = library.TesseraPrepareParams()
+    q.mask = library.block_mask_struct(mask.blocks)
     q.block_q = q.block_kv = 32
     q.seq_q = q.seq_kv = 300
     q.tile_q = q.tile_kv = q.q_unit = q.kv_unit = 64  # a unit that does not divide the block
@@ -273,10 +275,9 @@ def test_invalid_parameters_are_refused():
 
 def native_plan_like(plan: PhysicalPlan) -> PhysicalPlan:
     """``plan`` with the loaded library's 2-stage bf16 kernel of its tile (skips without one)."""
-    from tessera_diffusers import ops
     from tessera_diffusers.catalog import all_kernels
 
-    loaded = ops.load_library().kernel_ids
+    loaded = library.load_library().kernel_ids
     tile = (plan.kernel.tile_q, plan.kernel.tile_kv, plan.kernel.head_dim, plan.kernel.dtype)
     kernel = next((k for k in all_kernels() if (k.tile_q, k.tile_kv, k.head_dim, k.dtype) == tile and k.stages == 2
                    and k.name in loaded), None)

@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from tessera_diffusers import native_prepare, regroup
-from tessera_diffusers.native_prepare import block_mask_struct, stream_handle
+from tessera_diffusers import library, regroup
+from tessera_diffusers.library import block_mask_struct, stream_handle
 
 pytestmark = pytest.mark.gpu
 
@@ -33,10 +33,10 @@ SEGMENTS = {
 
 @pytest.fixture(autouse=True)
 def grouping_kernel_present():
-    if regroup.grouping_library() is None:
+    if library.grouping_library() is None:
         pytest.skip("the loaded library has no tessera_group_query_blocks (rebuild it)")
-    if os.environ.get(native_prepare.NATIVE_PREPARE_ENV) == "0":
-        pytest.skip(f"{native_prepare.NATIVE_PREPARE_ENV}=0 turns the native path off")
+    if os.environ.get(library.NATIVE_PREPARE_ENV) == "0":
+        pytest.skip(f"{library.NATIVE_PREPARE_ENV}=0 turns the native path off")
 
 
 def random_blocks(bm: int, hm: int, n_q: int, n_kv: int, density: float, seed: int) -> torch.Tensor:
@@ -126,19 +126,19 @@ def test_the_dispatch_takes_the_kernel_on_cuda(monkeypatch):
     blocks = structured_blocks(2, 90, 70, seed=10)
     assert regroup.native_grouping_enabled(blocks.device)
     native = regroup.group_query_blocks(blocks, 4)
-    monkeypatch.setenv(native_prepare.NATIVE_PREPARE_ENV, "0")
+    monkeypatch.setenv(library.NATIVE_PREPARE_ENV, "0")
     assert not regroup.native_grouping_enabled(blocks.device)
     assert torch.equal(regroup.group_query_blocks(blocks, 4), native)
 
 
 def test_bad_parameters_are_refused_by_the_launcher():
-    lib = regroup.grouping_library()
+    lib = library.grouping_library()
     blocks = random_blocks(1, 2, 10, 20, 0.3, seed=11)
     q_units = torch.empty(1, 2, 12, dtype=torch.int32, device="cuda")
     scratch = torch.empty(1, 2, 2, 2, dtype=torch.int64, device="cuda")  # two segments of 8 rows
 
     def launch(group: int, window: int, slots: int, out: int, segment: int = 8, counts: int | None = None) -> int:
-        p = regroup.TesseraGroupParams()
+        p = library.TesseraGroupParams()
         p.mask = block_mask_struct(blocks)
         p.group, p.window, p.num_slots, p.segment, p.q_units, p.key_blocks = group, window, slots, segment, out, None
         p.segment_key_blocks = scratch.data_ptr() if counts is None else counts

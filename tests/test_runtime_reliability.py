@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention, build_mask_state, ops, reference
+from tessera_diffusers import LogicalMask, Runtime, block_sparse_attention, build_mask_state, library, reference
 from tessera_diffusers.catalog import hopper_kernels, reference_kernel
 from tessera_diffusers.errors import CatalogError, InvalidArgumentError
 from tessera_diffusers.ops import check_launch, run_native
@@ -184,12 +184,12 @@ def test_native_lib_override_must_be_a_tessera_library(monkeypatch):
     if path is None:
         pytest.skip(f"{libm} not found on disk")
     monkeypatch.setenv("TESSERA_NATIVE_LIB", path)
-    ops.load_library.cache_clear()
+    library.load_library.cache_clear()
     try:
         with pytest.raises(CatalogError, match="is not a Tessera kernel library"):
-            ops.load_library()
+            library.load_library()
     finally:
-        ops.load_library.cache_clear()
+        library.load_library.cache_clear()
 
 
 def test_a_runtime_in_use_can_be_deep_copied():

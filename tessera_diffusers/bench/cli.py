@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import (
+from ..cli_common import (
     CommandLineParser,
     device,
     existing_dir,

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..bench.config import ALL_FAMILIES, SIZE_PROFILES
-from ..cli import (
+from ..cli_common import (
     CommandLineParser,
     device,
     existing_file,

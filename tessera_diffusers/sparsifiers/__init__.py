@@ -8,7 +8,8 @@ DenseWarmup                           full attention for the first steps / layer
 """
 
 from .adaptive import AdaptiveDecision, AdaptiveSparsifier, spade_64
-from .base import LatentGrid, Sparsifier
+from .base import Sparsifier
+from .grid import LatentGrid
 from .layout import TileLayout, tile_layout
 from .ssta import SSTASparsifier, ssta_64, ssta_384, ssta_tuned, top_k_for_block_density, top_k_for_density
 from .static import StaticSparsifier, all_active
@@ -24,10 +25,10 @@ __all__ = [
     "StaticSparsifier",
     "TileLayout",
     "all_active",
-    "ssta_384",
-    "ssta_64",
-    "ssta_tuned",
     "spade_64",
+    "ssta_64",
+    "ssta_384",
+    "ssta_tuned",
     "tile_layout",
     "top_k_for_block_density",
     "top_k_for_density",

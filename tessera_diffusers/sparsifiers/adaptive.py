@@ -28,7 +28,8 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..mask import LogicalMask
-from .base import LatentGrid, check_qk, check_triple
+from .base import check_qk
+from .grid import LatentGrid, check_triple
 from .layout import TileLayout, tile_layout, valid_block_size
 
 

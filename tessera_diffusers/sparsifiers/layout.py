@@ -29,7 +29,8 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..mask import BLOCK_ALIGNMENT, MAX_BLOCK, MIN_BLOCK, LogicalMask
-from .base import LatentGrid, check_positive_int, check_triple
+from ..validation import check_positive_int
+from .grid import LatentGrid, check_triple
 
 # Index tensors of this many distinct (layout, device) pairs are kept.
 LAYOUT_CACHE_SIZE = 64

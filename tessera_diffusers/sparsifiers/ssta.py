@@ -30,7 +30,9 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..mask import LogicalMask
-from .base import LatentGrid, check_positive_int, check_qk, check_triple
+from ..validation import check_positive_int
+from .base import check_qk
+from .grid import LatentGrid, check_triple
 from .layout import TileLayout, tile_layout
 
 

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import InvalidArgumentError, MaskError
 from ..mask import LogicalMask
-from .base import LatentGrid
+from .grid import LatentGrid
 from .layout import TileLayout, tile_layout
 
 MaskFactory = Callable[[LatentGrid], LogicalMask]

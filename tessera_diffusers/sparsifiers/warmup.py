@@ -8,7 +8,8 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..mask import LogicalMask
-from .base import LatentGrid, Sparsifier
+from .base import Sparsifier
+from .grid import LatentGrid
 from .layout import TileLayout
 
 
