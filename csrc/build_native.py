@@ -13,8 +13,7 @@ it includes (nvcc's own dependency list, ``-MD``) is newer than it, so an edit o
 recompiles the translation units that include it. ``--rebuild`` compiles everything.
 
 Environment: ``TESSERA_CUDA_ARCHS`` ("80;90" by default; "none" skips the build), ``MAX_JOBS``,
-``NVCC`` (path to nvcc), ``TESSERA_NVCC_FLAGS`` (extra nvcc flags, e.g. ``-DNAME`` switches of a
-timing study built beside the real library).
+``NVCC`` (path to nvcc), ``TESSERA_NVCC_FLAGS`` (extra nvcc flags; they enter the source hashes).
 """
 
 from __future__ import annotations
@@ -227,34 +226,14 @@ def build_native_library(
     if nvcc is None:
         log("tessera: nvcc not found, skipping the native library (reference path only)", 2)
         return None
-    table = load_kernel_table()
-    rows = [r for r in table.all_rows() if only is None or re.search(only, r.name)]
-    arch_list = [a.rstrip("a") for a in arch_names(archs)]
+    rows = kernel_rows(archs, only, log)
     cutlass = cutlass_include()
-    if "90" not in arch_list or cutlass is None:
-        why = "no sm90 target" if "90" not in arch_list else "CuTe headers not found (pip install nvidia-cutlass)"
-        if any(r.family == "hopper" for r in rows):
-            log(f"tessera: skipping the Hopper family ({why})", 2)
-        rows = [r for r in rows if r.family != "hopper"]
-    if not rows:
-        raise RuntimeError(f"no kernel matches --only {only!r} for archs {archs!r}")
     build_dir = build_dir or os.path.join(ROOT, "build", "native")
     gen_dir = os.path.join(build_dir, "generated")
     os.makedirs(gen_dir, exist_ok=True)
     os.makedirs(out_dir, exist_ok=True)
 
-    common = [
-        "-O3",
-        "-std=c++17",
-        "-Xcompiler",
-        "-fPIC",
-        "-lineinfo",
-        "--expt-relaxed-constexpr",
-        "-DNDEBUG",
-        f"-I{os.path.join(HERE, 'include')}",
-        f"-I{gen_dir}",
-        "-Xptxas=-v",
-    ] + ([f"-I{cutlass}"] if cutlass else []) + os.environ.get("TESSERA_NVCC_FLAGS", "").split()
+    common = common_flags(gen_dir, cutlass)
     portable_flags = common + gencode_flags(archs)
     hopper_flags = common + HOPPER_GENCODE
 
@@ -267,7 +246,7 @@ def build_native_library(
     sources.append((os.path.join(HERE, "kernels", "library.cu"), portable_flags))
 
     jobs = jobs or int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
-    nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    nvcc_version = nvcc_version_line(nvcc)
     objects, ptxas_logs, stale = [], {}, []
     for src, flags in sources:
         obj = os.path.join(build_dir, os.path.basename(src).replace(".cu", ".o"))
@@ -309,6 +288,53 @@ def build_native_library(
     return lib
 
 
+def kernel_rows(archs: str, only: str | None = None, log=lambda msg, level=2: None) -> list:
+    """The kernel table's rows a build for ``archs`` compiles (``only``: a regex over their names):
+    the Hopper family only with an sm90 target and the CuTe headers."""
+    rows = [r for r in load_kernel_table().all_rows() if only is None or re.search(only, r.name)]
+    arch_list = [a.rstrip("a") for a in arch_names(archs)]
+    cutlass = cutlass_include()
+    if "90" not in arch_list or cutlass is None:
+        why = "no sm90 target" if "90" not in arch_list else "CuTe headers not found (pip install nvidia-cutlass)"
+        if any(r.family == "hopper" for r in rows):
+            log(f"tessera: skipping the Hopper family ({why})", 2)
+        rows = [r for r in rows if r.family != "hopper"]
+    if not rows:
+        raise RuntimeError(f"no kernel matches --only {only!r} for archs {archs!r}")
+    return rows
+
+
+def common_flags(gen_dir: str, cutlass: str | None) -> list[str]:
+    """The nvcc flags of every translation unit (the arch flags come on top)."""
+    return [
+        "-O3",
+        "-std=c++17",
+        "-Xcompiler",
+        "-fPIC",
+        "-lineinfo",
+        "--expt-relaxed-constexpr",
+        "-DNDEBUG",
+        f"-I{os.path.join(HERE, 'include')}",
+        f"-I{gen_dir}",
+        "-Xptxas=-v",
+    ] + ([f"-I{cutlass}"] if cutlass else []) + os.environ.get("TESSERA_NVCC_FLAGS", "").split()
+
+
+def nvcc_version_line(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+def planned_source_hashes(archs: str | None = None) -> dict[str, str]:
+    """The two source hashes a build of ``archs`` (default: ``TESSERA_CUDA_ARCHS`` or the default
+    archs) would write into its manifest, without compiling: whether an edit leaves the shipped
+    plan table current can be checked on a machine without a GPU."""
+    archs = archs or os.environ.get("TESSERA_CUDA_ARCHS", DEFAULT_ARCHS)
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found: the source hashes include its version")
+    return source_hashes(kernel_rows(archs), archs, common_flags("", cutlass_include()), nvcc_version_line(nvcc))
+
+
 def source_hashes(rows, archs: str, common: list[str], nvcc_version: str) -> dict[str, str]:
     """The manifest's two source hashes of a build of kernel ``rows`` for ``archs`` with the
     ``common`` nvcc flags: ``kernel_sources`` (the attention kernels) and ``grouping_sources``. The
@@ -331,10 +357,10 @@ def kernel_sources_hash(
     exclude: tuple[str, ...] = (),
 ) -> str:
     """What the compiled kernels are made of, as one short hash: every file under ``source_dirs``
-    (relative names and bytes) but those named in ``exclude`` (relative to the directories'
-    parent), the generated instantiations, the nvcc flags (include paths left out: they name this
-    machine) and the tool versions. A plan table profiled on a library with another hash ranked
-    other kernels (``PlanTable.sources_mismatch``)."""
+    (relative names and code, ``code_text``) but those named in ``exclude`` (relative to the
+    directories' parent), the generated instantiations, the nvcc flags (include paths left out:
+    they name this machine) and the tool versions. A plan table profiled on a library with another
+    hash ranked other kernels (``PlanTable.sources_mismatch``)."""
     digest = hashlib.sha256()
     for top in source_dirs:
         for dirpath, dirnames, filenames in os.walk(top):
@@ -346,7 +372,7 @@ def kernel_sources_hash(
                     continue
                 digest.update(relative.encode() + b"\0")
                 with open(path, "rb") as f:
-                    digest.update(f.read() + b"\0")
+                    digest.update(code_text(f.read()) + b"\0")
     for name, text in sorted(generated.items()):
         digest.update(f"{name}\0{text}\0".encode())
     return build_digest(digest, flag_sets, tools)
@@ -359,8 +385,27 @@ def grouping_sources_hash(flag_sets: list[list[str]], tools: list[str], root: st
     for relative in GROUPING_SOURCES:
         digest.update(relative.encode() + b"\0")
         with open(os.path.join(root, relative), "rb") as f:
-            digest.update(f.read() + b"\0")
+            digest.update(code_text(f.read()) + b"\0")
     return build_digest(digest, flag_sets, tools)
+
+
+_CODE_TOKENS = re.compile(rb'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.DOTALL)
+
+
+def code_text(source: bytes) -> bytes:
+    """``source`` (C, C++ or CUDA) without its comments, trailing blanks and blank lines: what the
+    compiler sees, so an edit of comments or layout leaves the source hashes, and the plan table
+    profiled on them, current. String and character literals are kept as they are."""
+    def keep(match: re.Match) -> bytes:
+        token = match.group(0)
+        if token.startswith(b"//"):
+            return b""
+        if token.startswith(b"/*"):
+            return b" " if b"\n" not in token else b"\n"
+        return token
+
+    lines = (line.rstrip() for line in _CODE_TOKENS.sub(keep, source).split(b"\n"))
+    return b"\n".join(line for line in lines if line)
 
 
 def build_digest(digest, flag_sets: list[list[str]], tools: list[str]) -> str:

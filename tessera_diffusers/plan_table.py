@@ -14,7 +14,7 @@ ranks with the cost model).
 
 File format (JSON, no pickles)::
 
-    {"format": "tessera-plan-table", "schema_version": 1, "sha256": <hex of the canonical body>,
+    {"format": "tessera-plan-table", "schema_version": 2, "sha256": <hex of the canonical body>,
      "table": {
        "arch": "sm90",
        "catalog": {"hash": <catalog.catalog_hash>, "kernels": [<KernelSpec dict>, ...]},
@@ -33,12 +33,12 @@ File format (JSON, no pickles)::
                       "kernel_sources": [<the profiled libraries' manifest hashes>],
                       "grouping_sources": [<their grouping kernels'>], ...}}}
 
-``provenance.kernel_sources`` (absent in tables from older records) lets the selector tell a table
-profiled on other kernel code than the loaded library's (``sources_mismatch``): warned, still used.
+``provenance.kernel_sources`` lets the selector tell a table profiled on other kernel code than the
+loaded library's (``sources_mismatch``): warned, still used.
 ``provenance.grouping_sources`` does the same for the grouping kernel, which only grouped plans run:
 its hashes come from the records of the cases that timed grouped plans (the ``/reused`` keys).
 
-A regime's *schedule rules* (optional) choose the task organization of one tile group — plans that
+A regime's *schedule rules* (possibly none) choose the task organization of one tile group — plans that
 share geometry, KV layout and kernel tile (``tile_group``) and differ only in traversal, split-K,
 persistence or pipeline depth — by one statistic: the chosen plan of that group becomes ``below`` when the mask's statistic is ``<= le``,
 else ``above``. The compiler keeps a rule only where cross-validation says it beats one variant.
@@ -46,8 +46,8 @@ A regime's ``choice`` says how it picks the plan those rules start from: its ran
 plan, the cost model's pick among its ``contenders``, the *calibrated* cost model's pick (each plan of
 ``calibration`` with its estimate times the plan's scale, the geometric mean of measured over estimated
 latency on the regime's profiled cases), or its ``plan_rule`` — a rule of the same form between any
-two plans (another tile too). The compiler chooses it by cross-validation; tables without the field
-(before 2026-11-30) derive it from ``fit_regret`` (``MIXED_REGIME_REGRET``).
+two plans (another tile too). The compiler chooses it by cross-validation. Every field above is
+required; a table of another schema version is refused (compile it again from its records).
 
 A tree node with ``"stat"`` sends a mask whose statistic is ``<= le`` to ``left``, else to ``right``;
 node 0 is the root and children always come after their parent. The loader checks all of it (and the
@@ -80,10 +80,7 @@ from .mask_state import Stat
 from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, QLayout, Request, TaskOrganization, Traversal
 
 FORMAT = "tessera-plan-table"
-SCHEMA_VERSION = 1
-# Tables built before the compiler chose each regime's ``choice``: a regime whose first plan loses more
-# than this (GM) on its own profiled cases is *mixed* and lets the cost model choose.
-MIXED_REGIME_REGRET = 1.02
+SCHEMA_VERSION = 2
 CONTENDER_REGRET = 1.03  # a plan within this of the best on one of a regime's cases contends there
 CHOICES = ("ranking", "cost_model", "calibrated", "plan_rule")  # how a regime picks its plan (Regime.choice)
 # Environment variable naming a table file to use instead of the shipped one of its architecture.
@@ -217,18 +214,14 @@ class Regime:
     # "ranking": the first eligible ranked plan; "cost_model": the cost model's pick among the
     # eligible ``contenders`` on this mask's statistics; "calibrated": the same over the plans of
     # ``calibration``, each estimate times its plan's scale; "plan_rule": ``plan_rule``'s plan (any
-    # tile) by one statistic. None (tables built before 2026-11-30): "cost_model" where the ranking's
-    # first plan lost more than MIXED_REGIME_REGRET on the regime's cases and it has two contenders.
-    choice: str | None = None
+    # tile) by one statistic.
+    choice: str = "ranking"
     plan_rule: ScheduleRule | None = None
     # (plan, scale) for choice "calibrated": the plan's measured / estimated latency (geometric mean
     # over the regime's profiled cases), what the cost model's estimate is multiplied by.
     calibration: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.choice is None:
-            mixed = self.fit_regret > MIXED_REGIME_REGRET and len(self.contenders) >= 2
-            object.__setattr__(self, "choice", "cost_model" if mixed else "ranking")
         if self.choice not in CHOICES:
             raise PlanTableError(f"regime {self.index} of {self.key}: choice {self.choice!r} is not one of {CHOICES}")
         if (self.choice == "plan_rule") != (self.plan_rule is not None):
@@ -581,8 +574,7 @@ def bucket_to_dict(bt: BucketTable) -> dict:
     for r in bt.regimes:
         regime = {"rule": r.rule, "cases": r.cases, "ranking": [[rp.plan, rp.gm_ms] for rp in r.ranking],
                   "fit_regret": r.fit_regret, "contenders": list(r.contenders)}
-        if r.schedules:  # only tables with rules carry the field: older tables keep their checksum
-            regime["schedules"] = [rule_to_dict(x) for x in r.schedules]
+        regime["schedules"] = [rule_to_dict(x) for x in r.schedules]
         regime["choice"] = r.choice
         if r.plan_rule is not None:
             regime["plan_rule"] = rule_to_dict(r.plan_rule)
@@ -723,19 +715,19 @@ def build_bucket(key: str, bucket: tuple[int, int], label: str, bd: Fields, plan
             raise fail(f"regime {index} has an empty ranking")
         if base is not None and ranking[-1].plan != base:
             raise fail(f"regime {index} does not end with the key's base plan {base}")
-        raw_regret = rd.get("fit_regret", 1.0)  # optional: tables built before it have none
+        raw_regret = rd.get("fit_regret")
         fit_regret = finite_number(raw_regret)
         if fit_regret is None or fit_regret < 1.0:
             raise fail(f"regime {index}: fit_regret {shown(raw_regret)} is not a number >= 1")
-        contenders = rd.texts("contenders", [])
+        contenders = rd.texts("contenders")
         unknown = [c for c in contenders if c not in plans]
         if unknown:
             raise fail(f"regime {index} names unknown contender {unknown[0]!r}")
         schedules = tuple(build_schedule_rule(sd, plans, allowed_stats,
                                               lambda what, i=index, j=j: fail(f"regime {i} schedule rule {j}: {what}"))
-                          for j, sd in enumerate(rd.records("schedules", [])))
-        choice = rd.text("choice", None)  # optional: tables built before 2026-11-30 derive it (Regime)
-        if choice is not None and choice not in CHOICES:
+                          for j, sd in enumerate(rd.records("schedules")))
+        choice = rd.text("choice")
+        if choice not in CHOICES:
             raise fail(f"regime {index}: choice {choice!r} is not one of {CHOICES}")
         plan_rule = None
         if "plan_rule" in rd.data:

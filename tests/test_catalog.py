@@ -120,7 +120,7 @@ def test_kernel_sources_hash_sees_code_flags_and_tools_not_paths(tmp_path):
     build = build_native_module()
     src = tmp_path / "include"
     (src / "tessera").mkdir(parents=True)
-    (src / "tessera" / "mainloop.cuh").write_text("// v1\n")
+    (src / "tessera" / "mainloop.cuh").write_text("constexpr int kStages = 1;\n")
 
     def digest(flags=("-O3", "-I/here"), tools=("nvcc 13.0",), generated=None):
         return build.kernel_sources_hash([str(src)], generated or {"k": "instantiate<64>"}, [list(flags)], list(tools))
@@ -128,14 +128,24 @@ def test_kernel_sources_hash_sees_code_flags_and_tools_not_paths(tmp_path):
     base = digest()
     assert len(base) == 16 and base == digest()
     assert digest(flags=("-O3", "-I/elsewhere")) == base  # include paths name the machine, not the code
-    assert digest(flags=("-O3", "-DTESSERA_HOPPER_TAKE_AHEAD=0", "-I/here")) != base
+    assert digest(flags=("-O3", "-DTESSERA_SWITCH=0", "-I/here")) != base
     assert digest(tools=("nvcc 13.1",)) != base
     assert digest(generated={"k": "instantiate<128>"}) != base
-    (src / "tessera" / "mainloop.cuh").write_text("// v2\n")
+    (src / "tessera" / "mainloop.cuh").write_text("constexpr int kStages = 2;\n")
     assert digest() != base
-    (src / "tessera" / "mainloop.cuh").write_text("// v1\n")
-    (src / "tessera" / "epilogue.cuh").write_text("")
+    (src / "tessera" / "mainloop.cuh").write_text("// why one stage\nconstexpr int kStages = 1;  /* see above */\n\n")
+    assert digest() == base  # comments and blank lines are not code
+    (src / "tessera" / "epilogue.cuh").write_text("int x;")
     assert digest() != base  # a new file counts
+
+
+def test_code_text_drops_comments_and_blank_lines_but_keeps_literals():
+    build = build_native_module()
+    source = (b'int a = 1; // one\n/* two\n lines */ const char* s = "//kept /*too*/";\n\n'
+              b"char c = '\\''; /* x */ int d;   \n")
+    assert build.code_text(source) == (b'int a = 1;\n const char* s = "//kept /*too*/";\n'
+                                       b"char c = '\\'';   int d;")
+    assert build.code_text(b"int a;\n") != build.code_text(b"int b;\n")
 
 
 def test_grouping_kernel_sources_are_hashed_apart_from_the_attention_kernels(tmp_path):
@@ -143,9 +153,9 @@ def test_grouping_kernel_sources_are_hashed_apart_from_the_attention_kernels(tmp
     header both compile changes both."""
     build = build_native_module()
     root = tmp_path / "csrc"
-    for relative in build.GROUPING_SOURCES + ("include/tessera/hopper/mainloop.cuh",):
+    for index, relative in enumerate(build.GROUPING_SOURCES + ("include/tessera/hopper/mainloop.cuh",)):
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
-        (root / relative).write_text(f"// {relative}\n")
+        (root / relative).write_text(f"int file{index};\n")
 
     def hashes():
         attention = build.kernel_sources_hash([str(root / "include"), str(root / "kernels")], {}, [["-O3"]],
@@ -153,13 +163,15 @@ def test_grouping_kernel_sources_are_hashed_apart_from_the_attention_kernels(tmp
         return attention, build.grouping_sources_hash([["-O3"]], ["nvcc 13.0"], root=str(root))
 
     base = hashes()
-    (root / "include/tessera/regroup.cuh").write_text("// the pick counts the symmetric difference\n")
+    (root / "include/tessera/regroup.cuh").write_text("int pick_by_symmetric_difference;\n")
     edited = hashes()
     assert edited[0] == base[0] and edited[1] != base[1]
-    (root / "include/tessera/params.h").write_text("// ABI 6\n")
+    (root / "include/tessera/regroup.cuh").write_text("// a comment only\nint pick_by_symmetric_difference;\n")
+    assert hashes() == edited
+    (root / "include/tessera/params.h").write_text("#define TESSERA_ABI_VERSION 6\n")
     shared = hashes()
     assert shared[0] != edited[0] and shared[1] != edited[1]
-    (root / "include/tessera/hopper/mainloop.cuh").write_text("// v2\n")
+    (root / "include/tessera/hopper/mainloop.cuh").write_text("int mainloop_v2;\n")
     assert hashes()[1] == shared[1]
 
 
@@ -239,11 +251,11 @@ def test_native_smoke_subset_compiles_and_links(tmp_path):
 
 
 def test_a_library_source_hash_is_asked_for_by_its_manifest_name():
-    from tessera_diffusers import ops
+    from tessera_diffusers import library
     from tessera_diffusers.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="part"):
-        ops.kernel_sources("attention_sources")
-    for part in ops.SOURCE_HASHES:
-        value = ops.kernel_sources(part)  # None without a library or in an older manifest
+        library.kernel_sources("attention_sources")
+    for part in library.SOURCE_HASHES:
+        value = library.kernel_sources(part)  # None without a library or in an older manifest
         assert value is None or len(value) == 16

@@ -16,7 +16,6 @@ from tessera_diffusers.catalog import plans_for, portable_kernels
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.errors import InvalidArgumentError, PlanTableError
 from tessera_diffusers.plan_table import (
-    MIXED_REGIME_REGRET,
     STAT_NAMES,
     Buckets,
     PlanTable,
@@ -173,7 +172,7 @@ def test_artifact_round_trips_as_plain_json(two_regimes, tmp_path):
     path = table.save(tmp_path / "plan_table_sm90.json")
     text = path.read_text()
     data = json.loads(text)  # plain JSON: thresholds, names, numbers
-    assert data["schema_version"] == 1 and data["table"]["arch"] == "sm90"
+    assert data["schema_version"] == 2 and data["table"]["arch"] == "sm90"
     assert "pickle" not in text and "sklearn" not in text
     tree = data["table"]["keys"][REQUEST.key]["buckets"]["2,2"]["tree"]
     assert tree[0]["stat"] == "density" and isinstance(tree[0]["le"], float)
@@ -340,11 +339,10 @@ def plan_rule_table():
 def test_compiler_gives_a_regime_a_plan_rule_between_tiles(plan_rule_table):
     """48 cases (one regime) whose best tile depends on row_overlap: the ranking's first plan loses
     on half of them, a plan rule between the two tiles does not, so cross-validation makes it the
-    regime's choice. The artifact keeps it; a table without the field (built before the choice
-    existed) derives the old behaviour from its fit regret."""
+    regime's choice. The artifact keeps it; a table without the field is refused."""
     table, report = plan_rule_table
     (regime,) = bucket_of(table).regimes
-    assert regime.choice == "plan_rule" and regime.fit_regret > MIXED_REGIME_REGRET
+    assert regime.choice == "plan_rule" and regime.fit_regret > 1.02
     rule = regime.plan_rule
     assert STAT_NAMES[rule.stat] == "row_overlap" and abs(rule.threshold - 0.5) < 0.05
     assert (rule.below, rule.above) == (LPT.name, OTHER_TILE.name) and tile_group(LPT) != tile_group(OTHER_TILE)
@@ -353,8 +351,8 @@ def test_compiler_gives_a_regime_a_plan_rule_between_tiles(plan_rule_table):
     assert bucket_of(PlanTable.from_dict(data)).regimes[0] == regime
     (bucket,) = data["table"]["keys"][REQUEST.key]["buckets"].values()
     del bucket["regimes"][0]["choice"], bucket["regimes"][0]["plan_rule"]
-    (legacy,) = bucket_of(PlanTable.from_dict(resigned(data))).regimes
-    assert legacy.choice == "cost_model" and legacy.plan_rule is None
+    with pytest.raises(PlanTableError, match="choice"):  # every field is required: nothing is derived
+        PlanTable.from_dict(resigned(data))
 
 
 def test_a_regime_keeps_its_ranking_when_its_cases_agree():
@@ -441,7 +439,7 @@ def test_schedule_rule_is_fitted_where_its_tile_contends():
                                 160, groups=4)
     table, _ = compile_table(profile, CompileOptions(min_leaf=100))
     (regime,) = bucket_of(table).regimes
-    assert regime.fit_regret > MIXED_REGIME_REGRET and LPT.name in regime.contenders
+    assert regime.fit_regret > 1.02 and LPT.name in regime.contenders
     (rule,) = regime.schedules
     contending = sum(1 for c in profile.cases if c.stats[STAT_NAMES.index("row_overlap")] <= 0.5)
     assert STAT_NAMES[rule.stat] == "mean_run_length" and abs(rule.threshold - 4.5) < 0.5
@@ -460,7 +458,7 @@ def test_no_schedule_rule_without_a_statistic_that_decides():
     uniform, _ = compile_table(profile, CompileOptions(min_leaf=32))
     for table in (inside_noise, uniform):
         (regime,) = bucket_of(table).regimes
-        assert regime.schedules == () and "schedules" not in json.dumps(table.to_dict())
+        assert regime.schedules == () and '"schedules": []' in json.dumps(table.to_dict())
 
 
 @pytest.mark.parametrize(

@@ -153,7 +153,7 @@ def test_bytes_that_are_not_utf8(tmp_path):
         "[" * 100_000,
         "[" * 100_000 + "]" * 100_000,
         '{"a":' * 100_000 + "1" + "}" * 100_000,
-        '{"format": "tessera-plan-table", "schema_version": 1, "sha256": "", "table": ' + "[" * 100_000,
+        '{"format": "tessera-plan-table", "schema_version": 2, "sha256": "", "table": ' + "[" * 100_000,
     ],
     ids=["open", "closed", "objects", "in-envelope"],
 )
@@ -415,8 +415,8 @@ def bad_tables() -> dict[str, bytes]:
     return {
         "not-utf8": b"\xff" + SHIPPED_BYTES,
         "deep": b"[" * 100_000,
-        "huge-int": SHIPPED_BYTES.replace(b'"schema_version": 1', b'"schema_version": ' + b"9" * 5000),
-        "inf": SHIPPED_BYTES.replace(b'"schema_version": 1', b'"schema_version": 1e999'),
+        "huge-int": SHIPPED_BYTES.replace(b'"schema_version": 2', b'"schema_version": ' + b"9" * 5000),
+        "inf": SHIPPED_BYTES.replace(b'"schema_version": 2', b'"schema_version": 1e999'),
         "zero-block": json.dumps(resign(data)).encode(),
         "sources": json.dumps(resign(provenance)).encode(),
         "truncated": SHIPPED_BYTES[: len(SHIPPED_BYTES) // 3],

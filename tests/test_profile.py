@@ -336,10 +336,8 @@ def test_kernel_sources_of_the_profiled_library_reach_the_table(tmp_path, monkey
 
 def test_grouping_sources_count_only_for_cases_that_timed_grouped_plans(tmp_path, monkeypatch):
     """The grouping kernel's hash reaches the table from the files whose kept cases timed a grouped
-    plan, so a grouping change leaves natural keys fresh; records from before the split (one
-    whole-tree hash) read as its two parts (``SPLIT_SOURCES``)."""
+    plan, so a grouping change leaves natural keys fresh."""
     from tessera_diffusers.profile import runner
-    from tessera_diffusers.profile.compile import SPLIT_SOURCES, catalog_sources
 
     hashes = {"kernel_sources": "att-1", "grouping_sources": "grp-1"}
     monkeypatch.setattr(runner, "library_kernel_sources", lambda cuda=True, part="kernel_sources": hashes[part])
@@ -381,16 +379,6 @@ def test_grouping_sources_count_only_for_cases_that_timed_grouped_plans(tmp_path
     assert "grouping kernel" in note and "grp-2" in note and "re-profile" in note
     assert "grouping kernel" not in table.sources_mismatch("att-2", "grp-2")
 
-    # A record of a library built before the split names the whole tree; it reads as both parts.
-    whole, (attention, grouping) = next(iter(SPLIT_SOURCES.items()))
-    assert catalog_sources({"kernel_sources": whole}) == (attention, grouping)
-    assert catalog_sources({"kernel_sources": whole, "grouping_sources": "grp-9"}) == (whole, "grp-9")
-    assert catalog_sources({"kernel_sources": "att-1"}) == ("att-1", None)
-    legacy = [{**r, "kernel_sources": whole} if r["type"] == "catalog" else r for r in grouped]
-    for r in legacy:
-        r.pop("grouping_sources", None)
-    profile = load_profile([write("legacy.jsonl", legacy)])
-    assert (profile.kernel_sources, profile.grouping_sources) == ((attention,), (grouping,))
 
 
 def test_a_later_records_file_supersedes_a_key_bucket_whole(tmp_path):

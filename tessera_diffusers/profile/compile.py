@@ -111,20 +111,10 @@ class Profile:
     grouping_sources: tuple[str, ...] = ()  # their grouping kernels', of the files whose cases timed grouped plans
 
 
-# ``kernel_sources`` of libraries built before the grouping kernel's sources were hashed apart
-# (``csrc/build_native.py``: then one hash of the whole tree), and the two hashes that the same
-# tree has now: (attention kernels, grouping kernel). Computed from the sources of commit 9ec3741,
-# whose library the records of every key of the shipped table were profiled on.
-SPLIT_SOURCES = {"e810b188edbadf21": ("1465ac442fbd5b67", "749cc3ca2a45a77a")}
-
-
 def catalog_sources(record: Mapping) -> tuple[str | None, str | None]:
-    """The (attention kernels, grouping kernel) source hashes of a catalog record: an older
-    record's whole-tree hash through ``SPLIT_SOURCES``; None where the record has none."""
-    whole = record.get("kernel_sources")
-    if record.get("grouping_sources") is None and whole in SPLIT_SOURCES:
-        return SPLIT_SOURCES[whole]
-    return (str(whole) if whole else None, record.get("grouping_sources") or None)
+    """The (attention kernels, grouping kernel) source hashes of a catalog record; None where the
+    record has none."""
+    return (record.get("kernel_sources") or None, record.get("grouping_sources") or None)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 // Plain C ABI of the Tessera kernel library: raw pointers, sizes, strides and a stream.
-// Mirrored field for field by tessera_diffusers/ops.py (ctypes.Structure); keep them in sync.
+// Mirrored field for field by tessera_diffusers/library.py (ctypes.Structure); keep them in sync.
 #pragma once
 #include <stdint.h>
 

@@ -181,7 +181,7 @@ __device__ __forceinline__ Shared shared_arrays(const Layout& l, uint32_t* base)
 // compute-sanitizer racecheck, which models barriers but not this release / acquire pattern, reports
 // hazards on exactly these hand-offs (a ring row, its count and its tag written by a producer and
 // read by the picker after it saw the tag; a slot rewritten after the picker published a seed past
-// it); the orders stay bit for bit those of the torch code under it (benchmarks/results/h200_reused_table).
+// it); the orders stay bit for bit those of the torch code under it.
 __device__ __forceinline__ int load_relaxed(const int32_t& x) {
   int v;
   asm volatile("ld.relaxed.cta.shared.b32 %0, [%1];"

@@ -155,8 +155,7 @@ __device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
 }
 
 // kDynamic: a persistent grid that takes its tasks from p.task_counter. It is its own kernel: with
-// both schedules compiled into one, the static one ran 6-8% slower on packed 16-token-slot plans
-// (benchmarks/results/h200_dynamic_schedule).
+// both schedules compiled into one, the static one ran 6-8% slower on packed 16-token-slot plans.
 template <class T, bool kDynamic = false>
 __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     attention_kernel(const __grid_constant__ TesseraAttnParams p, const __grid_constant__ TmaDescriptors tma) {

@@ -5,7 +5,7 @@
 //   store_output_tma  through the task's Q buffer and a TMA store (kernels with two Q buffers,
 //                     T::kTmaStore, when the launch's output allows a TMA descriptor): the consumer
 //                     warpgroups wait only for the copy's shared-memory reads, not for their own
-//                     global stores, before the next task (benchmarks/results/h200_epilogue_share).
+//                     global stores, before the next task.
 #pragma once
 #include <cutlass/arch/barrier.h>
 

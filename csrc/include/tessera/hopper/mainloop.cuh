@@ -53,7 +53,6 @@ __device__ __forceinline__ void mask_scores(const TesseraAttnParams& p, const Ti
   for (int half = 0; half < 2; ++half)
     row_bits[half] = unsigned(a.member >> ((row_of_half[half] >> p.q_unit_log2) * p.slots)) & slot_bits;
   uint32_t keep[2] = {0u, 0u};
-#if TESSERA_HOPPER_SLOT_SPANS
   // Slot s covers n8 blocks [s, s + 1) * 2^(u - 3) (u = kv_unit_log2 >= 4), which are the keep
   // bits [s, s + 1) * 2^(u - 2): one span of ones per active slot instead of a test per n8 block.
   const int span_log2 = p.kv_unit_log2 - 2;
@@ -64,14 +63,6 @@ __device__ __forceinline__ void mask_scores(const TesseraAttnParams& p, const Ti
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) keep[half] |= (0u - ((row_bits[half] >> s) & 1u)) & ones;
   }
-#else
-  CUTE_UNROLL
-  for (int j = 0; j < kBlocks; ++j) {
-    const int slot = (j * 8 + lane_col) >> p.kv_unit_log2;
-    CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) keep[half] |= ((row_bits[half] >> slot) & 1u) * (3u << (2 * j));
-  }
-#endif
   if (a.partial) {  // the tile holds the last, partial block: drop columns at or past Skv
     const int unit_mask = (1 << p.kv_unit_log2) - 1;
     uint32_t valid = 0u;

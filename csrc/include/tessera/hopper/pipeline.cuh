@@ -211,15 +211,10 @@ __device__ void producer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
 //     task's last kTakeAhead tiles, so that the atomic's round trip, the decoding and the Q load
 //     overlap the consumers' last tiles; with one, after the loads (the next Q waits for this
 //     task's buffer anyway; taking early measured 1-2% slower there).
-// One thread did both before: the next task's atomic, decoding and Q-buffer wait sat between two
-// tiles' loads, and the persistent plans ran 3.7-3.8% slower in GM (up to 12.5% on Q16K16,
-// benchmarks/results/h200_producer_taker). -DTESSERA_HOPPER_TAKE_AHEAD=0 takes the next task after
-// the loads in every kernel (an A/B switch).
-#ifndef TESSERA_HOPPER_TAKE_AHEAD
-#define TESSERA_HOPPER_TAKE_AHEAD 2
-#endif
-constexpr int kTakeAhead = TESSERA_HOPPER_TAKE_AHEAD;
-static_assert(kTakeAhead >= 0, "TESSERA_HOPPER_TAKE_AHEAD: tiles before a task's end, 0 for after its loads");
+// Split this way, the next task's atomic, decoding and Q-buffer wait never sit between two tiles'
+// loads (docs/design.md).
+constexpr int kTakeAhead = 2;  // tiles before a task's end at which the next task is taken
+static_assert(kTakeAhead >= 0, "kTakeAhead: tiles before a task's end, 0 for after its loads");
 constexpr int kTakerThread = 32;  // lane 0 of the producer warpgroup's second warp
 
 template <class T>

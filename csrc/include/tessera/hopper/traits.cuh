@@ -25,15 +25,8 @@ struct Traits {
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   // Two consumer warpgroups take turns issuing their GEMMs (named barriers, mainloop.cuh), so one
-  // warpgroup's softmax runs while the other's GEMMs occupy the tensor cores. Measured against
-  // the same build without it (benchmarks/results/h200_kernels_pingpong): 20 plans of 128-row tiles
-  // on Q128K128, Q128K64, Q384K384 and Q64K64, geometric mean 0.977 of the time (dense cuDNN in the
-  // same calls: 0.995-1.002; the 64 x 64 plan, one warpgroup, 0.998). -DTESSERA_HOPPER_PINGPONG=0
-  // (TESSERA_NVCC_FLAGS) builds without it.
-#ifndef TESSERA_HOPPER_PINGPONG
-#define TESSERA_HOPPER_PINGPONG 1
-#endif
-  static constexpr bool kPingPong = kWarpgroups == 2 && TESSERA_HOPPER_PINGPONG != 0;
+  // warpgroup's softmax runs while the other's GEMMs occupy the tensor cores (docs/design.md).
+  static constexpr bool kPingPong = kWarpgroups == 2;
 
   static constexpr int kSmemQTileBytes = kTileQ * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemKVBytes = kTileKV * kHeadDim * kStages * int(sizeof(Element));
@@ -46,14 +39,11 @@ struct Traits {
   // Q buffers: two where they fit beside the KV ring at the same CTAs per SM, so the producer
   // loads the next task's Q while the consumers still work on the current one (a persistent grid
   // then starts each task without waiting for its Q); one otherwise (e.g. 128 x 128 with 3
-  // stages). -DTESSERA_HOPPER_Q_STAGES=1 builds every kernel with one.
-#ifndef TESSERA_HOPPER_Q_STAGES
-#define TESSERA_HOPPER_Q_STAGES 2
-#endif
+  // stages).
   static constexpr bool fits(int bytes) {
     return kCtasPerSm == 2 ? 2 * (bytes + 2048) <= 228 * 1024 : bytes + 2048 <= 228 * 1024;
   }
-  static constexpr int kQStages = TESSERA_HOPPER_Q_STAGES >= 2 && fits(smem_bytes(2)) ? 2 : 1;
+  static constexpr int kQStages = fits(smem_bytes(2)) ? 2 : 1;
   static constexpr int kSmemQBytes = kQStages * kSmemQTileBytes;
   // Element offset of Q buffer `qs` in the Q region: the producer loads a task's Q there and the
   // TMA-store epilogue stages its O there.
@@ -62,11 +52,8 @@ struct Traits {
   // starts at tile row `row`: each half is a kTileQ x 64 slab of 128-byte-swizzled rows.
   CUTE_HOST_DEVICE static constexpr int q_box_offset(int row, int half) { return half * kTileQ * 64 + row * 64; }
   // With two Q buffers the epilogue can stage O in the finished task's one and store it with TMA
-  // (epilogue.cuh); -DTESSERA_HOPPER_TMA_STORE=0 keeps the stores from registers.
-#ifndef TESSERA_HOPPER_TMA_STORE
-#define TESSERA_HOPPER_TMA_STORE 1
-#endif
-  static constexpr bool kTmaStore = kQStages == 2 && TESSERA_HOPPER_TMA_STORE != 0;
+  // (epilogue.cuh).
+  static constexpr bool kTmaStore = kQStages == 2;
   static constexpr int kSmemBytes = smem_bytes(kQStages);
 
   // Register budgets after setmaxnreg. 384 threads at one CTA per SM launch with 168 registers each
@@ -78,44 +65,24 @@ struct Traits {
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = kWarpgroups == 2 ? 232 : 216;
   static constexpr int kMaxSlots = kTileKV / 16;
-  // Membership masking (mainloop.cuh, mask_scores) builds a thread's column bits as one span per
-  // active KV slot, not one test per n8 block. -DTESSERA_HOPPER_SLOT_SPANS=0 keeps the test per
-  // n8 block.
-#ifndef TESSERA_HOPPER_SLOT_SPANS
-#define TESSERA_HOPPER_SLOT_SPANS 1
-#endif
 
   // Q K^T with Q in registers: each consumer thread loads its share of the task's Q from shared
   // memory once (ldmatrix) and every Q K^T reads only K there (rs wgmma). With Q in shared memory
   // (ss wgmma), a 64-column K tile makes each m64n64k16 read as many A bytes (Q) as B bytes (K),
   // which with the TMA writes of K and V asks more of the SM's shared memory bandwidth than one
-  // tile's tensor work covers. Measured on the H200 (benchmarks/results/h200_q_registers, 14 plans
-  // of 64-column tiles on ten families' masks, against the same build without it in the same
-  // calls): 0.976 and 0.988 of the time (direct 64 x 64 at 20% density 0.91-0.94, 128 x 64
-  // 0.94), while the unchanged 128-column plans read 0.997 and 1.010. In the 128-column kernels it
-  // measured 0.958-1.032 and stays off. -DTESSERA_HOPPER_Q_REGISTERS=0: Q from shared memory in
-  // every kernel; 1 (default): in registers where the KV tile has 64 columns; 2: in every kernel.
-#ifndef TESSERA_HOPPER_Q_REGISTERS
-#define TESSERA_HOPPER_Q_REGISTERS 1
-#endif
-  static constexpr bool kQInRegisters =
-      TESSERA_HOPPER_Q_REGISTERS == 2 || (TESSERA_HOPPER_Q_REGISTERS == 1 && kTileKV == 64);
+  // tile's tensor work covers: Q sits in registers where the KV tile has 64 columns. The
+  // 128-column kernels gain nothing consistent from it and keep Q in shared memory.
+  static constexpr bool kQInRegisters = kTileKV == 64;
   // Lazy softmax references (mainloop.cuh, online_softmax): a row's reference maximum moves only
   // when a tile's scores exceed it by more than kRescaleThreshold powers of two. Otherwise the
   // stale reference stays, the row's probabilities reach at most 2^kRescaleThreshold (256: bf16
   // and fp16 round them with the same relative error as values below 1, and fp32 sums stay far
   // from overflow), its alpha is exactly 1, and a warp whose rows all keep theirs skips rescaling
   // its output accumulator. The log-sum-exp is the reference plus the log of the sum, whatever
-  // the reference. Measured on the H200 against the same build without it
-  // (benchmarks/results/h200_q_registers/lazy_rescale_ab, three runs each): 14 plans of 64-column
-  // tiles 0.965 of the time (0.928-0.988); 14 of 128-column tiles 0.995 (0.974-1.025, the Q64K64
-  // table plans 1.015-1.025), so those keep a reference that moves on every increase.
-  // -DTESSERA_HOPPER_RESCALE_THRESHOLD=0 turns it off everywhere.
-#ifndef TESSERA_HOPPER_RESCALE_THRESHOLD
-#define TESSERA_HOPPER_RESCALE_THRESHOLD 8
-#endif
-  static constexpr float kRescaleThreshold = float(TESSERA_HOPPER_RESCALE_THRESHOLD);
-  static constexpr bool kLazyRescale = kTileKV == 64 && TESSERA_HOPPER_RESCALE_THRESHOLD > 0;
+  // the reference. Only the 64-column kernels do it; in the 128-column ones it did not pay, so
+  // their reference moves on every increase.
+  static constexpr float kRescaleThreshold = 8.0f;
+  static constexpr bool kLazyRescale = kTileKV == 64;
   // S = Q K^T: B (K) from shared memory, A (Q) from shared memory or registers, both K-major (head
   // dim contiguous).
   using MmaQKShape = Shape<Int<64>, Int<kTileKV>, Int<kHeadDim>>;
