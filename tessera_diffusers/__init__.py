@@ -13,7 +13,6 @@ from .errors import (
     InvalidArgumentError,
     MaskError,
     NativeKernelError,
-    NoEligiblePlanError,
     PlanTableError,
     TesseraError,
 )
@@ -39,7 +38,6 @@ __all__ = [
     "MaskError",
     "MaskState",
     "NativeKernelError",
-    "NoEligiblePlanError",
     "PhysicalPlan",
     "PlanTableError",
     "PreparedPlan",

@@ -32,17 +32,6 @@ class MaskError(InvalidArgumentError):
     """A logical mask is malformed or does not match the tensors it is used with."""
 
 
-class NoEligiblePlanError(TesseraError):
-    """No plan of the catalog can run this request; lists every rejection."""
-
-    def __init__(self, request: str, rejections: dict[str, str]):
-        self.request = request
-        self.rejections = dict(rejections)
-        lines = [f"no eligible plan for {request}:"]
-        lines += [f"  {name}: {reason}" for name, reason in self.rejections.items()]
-        super().__init__("\n".join(lines))
-
-
 class CatalogError(TesseraError):
     """The native kernel library is missing, stale, or does not match its manifest."""
 

@@ -23,7 +23,7 @@ from tessera_diffusers.bench.flashinfer_backends import (
     gathered_key_tokens,
     variable_block_sizes,
 )
-from tessera_diffusers.bench.harness import RunState, interleaved_case, relabel_legacy
+from tessera_diffusers.bench.harness import RunState, interleaved_case
 from tessera_diffusers.bench.metrics import compare, geometric_mean, regrets, summarize
 from tessera_diffusers.bench.problem import OracleCheck, Problem, check_heads, make_inputs
 from tessera_diffusers.bench.timing import time_interleaved, time_kernel, time_request
@@ -205,15 +205,10 @@ def test_flashinfer_inputs_rebuild_the_mask() -> None:
 
 
 def test_flashinfer_records_keep_their_variant_name() -> None:
-    """describe() is merged into the record: it must not carry a "backend" key (it once did, and the
-    BSR and variable-block records were all labelled "fa2"/"fa3" and averaged in the report)."""
+    """describe() is merged into the record: it must not carry a "backend" key, which would
+    overwrite the variant's name and average the BSR and variable-block records in the report."""
     for backend in (FlashInferBsr("fa3"), FlashInferVariable("fa2")):  # no flashinfer here: still describable
         assert "backend" not in backend.describe()
-    legacy = {"backend": "fa3", "wrapper": "VariableBlockSparseAttentionWrapper", "case": "c", "size": "s"}
-    assert relabel_legacy(dict(legacy))["backend"] == "flashinfer-var-fa3"
-    legacy["wrapper"] = "BlockSparseAttentionWrapper"
-    assert relabel_legacy(dict(legacy))["backend"] == "flashinfer-bsr-fa3"
-    assert relabel_legacy({"backend": "flex"}) == {"backend": "flex"}
 
 
 def test_timing_rotates_inputs_and_counts_reps() -> None:

@@ -271,22 +271,12 @@ def problems(config: BenchConfig, device: torch.device) -> Iterable[tuple[str, C
         yield f"{size}:{case.name}", (lambda s=size, c=case: problem_for(s, c, config, device))
 
 
-def relabel_legacy(record: dict) -> dict:
-    """Records written before the FlashInfer ``describe()`` fix carry ``backend`` = "fa2"/"fa3"
-    (its key overwrote the variant's name); the ``wrapper`` field still tells the variant apart."""
-    if record.get("backend") in ("fa2", "fa3") and "wrapper" in record:
-        kind = "bsr" if record["wrapper"] == "BlockSparseAttentionWrapper" else "var"
-        record["fi_backend"] = record["backend"]
-        record["backend"] = f"flashinfer-{kind}-{record['fi_backend']}"
-    return record
-
-
 def load_done(path: Path) -> tuple[list[dict], set[tuple[str, str]]]:
     records, done = [], set()
     if path.is_file():
         for line in path.read_text().splitlines():
             if line.strip():
-                rec = relabel_legacy(json.loads(line))
+                rec = json.loads(line)
                 records.append(rec)
                 done.add((f"{rec['size']}:{rec['case']}", rec["backend"]))
     return records, done
