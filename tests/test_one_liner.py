@@ -14,7 +14,7 @@ import torch
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15RotaryPosEmbed
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from tessera_diffusers.processors import TesseraProcessor
-from tessera_diffusers.processors.context import GridReader, grid_from_rotary
+from tessera_diffusers.processors.context import GridReader, Route, grid_from_rotary
 from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, default_sparsifier
 from tessera_diffusers.processors.tiny import (
     hunyuan_video15_prompt_inputs,
@@ -26,7 +26,6 @@ from tessera_diffusers.processors.tiny import (
 )
 
 from tessera_diffusers import InvalidArgumentError
-from tessera_diffusers.processors.context import Route
 from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier
 
 TOL = dict(rtol=1e-5, atol=1e-5)
