@@ -1,7 +1,7 @@
 """Every diffusers API the processors touch that is private or changed between releases, in one place.
 
 Supported: diffusers >= ``MIN_DIFFUSERS`` (0.41.0, pyproject.toml's lower bound), the first release
-where every processor test passes; checked up to 0.42.1 (``tests/diffusers_versions.py`` runs the
+where every processor test passes; checked up to 0.42.1 (``tests/integration/diffusers_versions.py`` runs the
 processor tests under any list of releases). The processors themselves also run on 0.36.0 - 0.40.0,
 which have both transformers (HunyuanVideo-1.5 arrived in 0.36.0), through the fallbacks below; the
 tests they fail there open ``cache_context(name, step_index=...)``, a 0.41.0 API, in the tests'

@@ -5,7 +5,7 @@ The torch code of ``mask_state.py`` dispatches about fifteen small ops for these
 (a new mask), each a kernel launch costing ~45 us of host time on a GPU; here it is one allocation,
 three views and one ctypes call, which with ``read=True`` also copies the counts to the host (one
 sync). The results are the same integers as the torch code, which stays the CPU path and the oracle
-(``tests/test_native_prepare_gpu.py``). ``MaskState`` takes this path where
+(``tests/gpu/test_native_prepare_gpu.py``). ``MaskState`` takes this path where
 ``library.native_path_enabled``; a native failure raises ``NativeKernelError``.
 """
 

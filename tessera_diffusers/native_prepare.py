@@ -8,7 +8,7 @@ and ctypes calls running a few kernels:
     prepare_native(compact=False)   1 allocation + 5 views, 1 ctypes call, no sync
 
 The results are bit for bit those of the torch code, which stays the CPU path and the oracle
-(``tests/test_native_prepare_gpu.py``). ``prepare()`` takes this path when the mask is on CUDA, the
+(``tests/gpu/test_native_prepare_gpu.py``). ``prepare()`` takes this path when the mask is on CUDA, the
 loaded library exports these functions (``library.native_library``) and the environment variable
 ``TESSERA_NATIVE_PREPARE`` is not ``"0"``; a native failure raises ``NativeKernelError``. The mask
 statistics' native launch is ``mask_counts.py``.

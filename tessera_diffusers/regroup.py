@@ -50,7 +50,7 @@ docs/results.md, "Design decisions").
 ``g = 1`` gives the natural order. ``group_query_blocks`` runs the CUDA kernel for a CUDA tensor
 when the loaded library has it and ``TESSERA_NATIVE_PREPARE`` is not ``"0"``; otherwise (and for a
 window of rows too large for the kernel's shared memory) the torch code, which is the CPU path and
-the oracle (``tests/test_regroup_gpu.py``).
+the oracle (``tests/gpu/test_regroup_gpu.py``).
 """
 
 from __future__ import annotations

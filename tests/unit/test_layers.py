@@ -13,7 +13,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "tessera_diffusers"
 # Source folders of the package: tessera_diffusers.processors lives in processors/ (setup.py's package_dir).
 SOURCES = {PACKAGE: ROOT / "tessera_diffusers", f"{PACKAGE}.processors": ROOT / "processors"}

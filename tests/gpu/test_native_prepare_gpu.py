@@ -4,7 +4,7 @@ last blocks, empty rows, broadcast mask dims, Sq != Skv, strided block tensors, 
 values), long rows and many query tiles (several scan and rank chunks), and the statistics' counts,
 union sums and ``MaskState`` values. Skipped without CUDA and the native library.
 
-    python -m pytest -q -m gpu tests/test_native_prepare_gpu.py
+    python -m pytest -q -m gpu tests/gpu/test_native_prepare_gpu.py
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def test_auto_prepare_defers_compaction_and_settles_on_reuse(monkeypatch):
     from tessera_diffusers.selector import GROUP_QUERIES_ENV
 
     # The mask comes back in the same plan (the shipped table's /reused key would re-prepare a
-    # Q64K64 mask in its own choice: tests/test_reused_table.py covers that).
+    # Q64K64 mask in its own choice: tests/unit/test_reused_table.py covers that).
     monkeypatch.setenv(GROUP_QUERIES_ENV, "0")
     from tessera_diffusers.prepare import DEFERRED_COMPACTION_BYTES, SYNC_FREE_METADATA_BYTES, worst_case_metadata_bytes
 

@@ -133,7 +133,7 @@ def test_selection_regret_judges_what_the_runtime_runs_for_a_reused_mask():
     the mask in (``Selector.reused_plan`` after the natural selection), so a table without the
     ``/reused`` key is judged by its rule, not by a lookup of a key it does not have."""
     spec = importlib.util.spec_from_file_location("tessera_bench_selection_regret",
-                                                  Path(__file__).parents[1] / "benchmarks" / "selection_regret.py")
+                                                  Path(__file__).parents[2] / "benchmarks" / "selection_regret.py")
     regret = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(regret)
     state = build_mask_state(cpu_mask(0))

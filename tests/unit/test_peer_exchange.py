@@ -1,6 +1,6 @@
 """The copy-engine exchange's CPU-checkable parts: strided copies as rows of bytes (``copy_rows``,
 emulated byte for byte against ``Tensor.copy_``), the staging slots, and the refusals before any GPU
-work. The exchange itself runs in ``tests/test_peer_exchange_gpu.py`` (two GPUs)."""
+work. The exchange itself runs in ``tests/gpu/test_peer_exchange_gpu.py`` (two GPUs)."""
 
 from __future__ import annotations
 

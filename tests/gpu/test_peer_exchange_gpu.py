@@ -1,6 +1,6 @@
 """The copy-engine all-to-all (``tessera_diffusers.peer_exchange``) on two GPUs of one host.
 
-Runs ``tests/peer_exchange_worker.py`` as two NCCL ranks (cuda:0, cuda:1) and checks what each
+Runs ``tests/gpu/peer_exchange_worker.py`` as two NCCL ranks (cuda:0, cuda:1) and checks what each
 delivered against what it had to deliver (every rank draws every rank's inputs from one seed):
 scatters in 1, 2 and 4 head chunks (also with later chunks deferred and awaited last first), the
 chunked gather and the log-sum-exp exchange in bf16 and fp32,

@@ -1,6 +1,6 @@
-"""Worker process of the two-process context-parallel tests (``tests/test_parallel.py``); no tests here.
+"""Worker process of the two-process context-parallel tests (``tests/integration/test_parallel.py``); no tests here.
 
-    python tests/test_parallel_worker.py --rank R --world 2 --init tcp://127.0.0.1:PORT --out DIR [--cases raw,wan]
+    python tests/integration/test_parallel_worker.py --rank R --world 2 --init tcp://127.0.0.1:PORT --out DIR [--cases raw,wan]
 
 Every rank joins a gloo group on the loopback address, computes the single-process result itself
 (no process group involved) and the context-parallel one, and writes ``DIR/rank<R>.json`` (one

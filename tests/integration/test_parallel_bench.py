@@ -18,7 +18,7 @@ from tessera_diffusers.processors import TesseraProcessor
 import tessera_diffusers
 from tessera_diffusers.testing import free_port
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cp_scaling.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_scaling.py"
 PACKAGE_ROOT = Path(tessera_diffusers.__file__).resolve().parents[1]
 PROCESSORS_ROOT = Path(sys.modules[TesseraProcessor.__module__].__file__).resolve().parents[1]
 TIMEOUT_S = 150

@@ -1,6 +1,6 @@
 """Context parallelism (Ulysses): two CPU processes over gloo on 127.0.0.1 equal one process.
 
-The two-process part runs ``tests/test_parallel_worker.py`` twice (rank 0 and 1) with a free
+The two-process part runs ``tests/integration/test_parallel_worker.py`` twice (rank 0 and 1) with a free
 loopback port and a hard time limit, then checks what each rank reports:
 
 - (a) ``ulysses_attention``: per-head, broadcast-head and this-rank's-heads masks with partial

@@ -1,6 +1,6 @@
 """Run diffusers' own tests of the Wan and HunyuanVideo-1.5 transformers with and without Tessera.
 
-    python tests/diffusers_suite/run.py [--diffusers-src DIR] [--out DIR] [-k EXPR]
+    python tests/integration/diffusers_suite/run.py [--diffusers-src DIR] [--out DIR] [-k EXPR]
 
 Each transformer test file runs three times in its own pytest process, with ``plugin.py`` and
 ``--tessera off`` (stock processors), ``default`` and ``sparse``. Outcomes are read test by test
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 SUITE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = SUITE_DIR.parents[1]
+REPO_ROOT = SUITE_DIR.parents[2]
 PLUGIN = f"{SUITE_DIR.name}.plugin"  # importable with SUITE_DIR's parent on PYTHONPATH
 MODES = ("off", "default", "sparse")
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "error")

@@ -2,7 +2,7 @@
 
     python -m pytest -p diffusers_suite.plugin --tessera default <diffusers>/tests/models/transformers/...
 
-(with this folder's parent, ``tests/``, on ``PYTHONPATH``; ``run.py`` does all of this.)
+(with this folder's parent, ``tests/integration/``, on ``PYTHONPATH``; ``run.py`` does all of this.)
 
 ``--tessera`` picks what every ``WanTransformer3DModel`` and ``HunyuanVideo15Transformer3DModel``
 gets right after construction (the constructor and ``from_pretrained`` both run ``__init__``):

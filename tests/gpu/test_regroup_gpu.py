@@ -5,7 +5,7 @@ broadcast (expanded, stride 0) masks, unaligned and strided columns, nKV not a m
 groups (nQ not a multiple of the segment), and the torch path for what the kernel's shared memory
 cannot hold. Skipped without CUDA and a library with ``tessera_group_query_blocks``.
 
-    python -m pytest -q -m gpu tests/test_regroup_gpu.py
+    python -m pytest -q -m gpu tests/gpu/test_regroup_gpu.py
 """
 
 from __future__ import annotations

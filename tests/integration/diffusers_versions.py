@@ -1,7 +1,7 @@
 """Run the processor tests under other diffusers releases, each in a throw-away virtual environment.
 
-    python tests/diffusers_versions.py                 # the oldest supported release and the newest
-    python tests/diffusers_versions.py 0.38.0 0.42.1   # any list of releases ("latest": the newest)
+    python tests/integration/diffusers_versions.py                 # the oldest supported release and the newest
+    python tests/integration/diffusers_versions.py 0.38.0 0.42.1   # any list of releases ("latest": the newest)
 
 For each release: a venv in a temporary folder with ``--system-site-packages`` (torch and the rest
 come from this interpreter's site-packages); ``pip install diffusers==X --no-deps`` into it (even where
@@ -27,19 +27,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROCESSOR_TESTS = (
-    "tests/test_processors.py",
-    "tests/test_one_liner.py",
-    "tests/test_processor_guards.py",
-    "tests/test_processors_pipelines.py",
-    "tests/test_processors_examples.py",
+    "tests/integration/test_processors.py",
+    "tests/integration/test_one_liner.py",
+    "tests/integration/test_processor_guards.py",
+    "tests/integration/test_processors_pipelines.py",
+    "tests/integration/test_processors_examples.py",
 )
 LATEST = "latest"
 
 # Written into each venv: imports ``tessera_diffusers`` and ``tessera_diffusers.processors`` from this
 # checkout (setup.py maps the processors package to the top-level ``processors/`` folder).
-CHECKOUT_FINDER = '''"""Import tessera_diffusers from the checkout under test (from tests/diffusers_versions.py)."""
+CHECKOUT_FINDER = '''"""Import tessera_diffusers from the checkout under test (from tests/integration/diffusers_versions.py)."""
 import importlib.util
 import os
 import sys

@@ -18,7 +18,7 @@ from tessera_diffusers.processors.tiny import tiny_wan_transformer
 
 from tessera_diffusers.errors import TesseraError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def declared_lower_bound() -> str:
@@ -119,7 +119,7 @@ def test_the_processor_tests_pass_under_the_oldest_supported_diffusers():
         pytest.skip(f"PyPI unreachable, cannot install diffusers=={oldest}: {why_not}")
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "diffusers_versions.py"), oldest],
+        [sys.executable, str(ROOT / "tests" / "integration" / "diffusers_versions.py"), oldest],
         cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
     )
     print(proc.stdout, f"({time.perf_counter() - start:.0f}s)")

@@ -1,6 +1,6 @@
-"""Worker process of the two-GPU exchange tests (``tests/test_peer_exchange_gpu.py``); no tests here.
+"""Worker process of the two-GPU exchange tests (``tests/gpu/test_peer_exchange_gpu.py``); no tests here.
 
-    python tests/peer_exchange_worker.py --rank R --world 2 --init tcp://127.0.0.1:PORT --out DIR
+    python tests/gpu/peer_exchange_worker.py --rank R --world 2 --init tcp://127.0.0.1:PORT --out DIR
 
 Rank ``R`` joins a NCCL group on ``cuda:R``. Every rank draws every rank's inputs from one seed, so
 it knows what each exchange must deliver without any transport; it writes ``DIR/rank<R>.json`` with,

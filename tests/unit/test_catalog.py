@@ -21,7 +21,7 @@ from tessera_diffusers.plans import AxisMapping, Family, KvLayout, Request
 from tessera_diffusers.selector import rank, select
 from tessera_diffusers.testing import random_mask
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_kernel_names_are_unique_and_deterministic():
