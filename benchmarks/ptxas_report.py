@@ -3,7 +3,7 @@ static shared memory per (tile, head dim, stages, dtype, task schedule), from th
 ``csrc/build_native.py`` writes (``build/native/ptxas.log``).
 
     python csrc/build_native.py --only hopper        # or a full build
-    python benchmarks/ptxas_report.py --log build/native/ptxas.log --md benchmarks/results/hopper_ptxas.md
+    python benchmarks/ptxas_report.py --log build/native/ptxas.log --md benchmarks/results/reports/hopper_ptxas.md
 
 ``--log`` may be gzipped (``.gz``), e.g. a device build's log kept with its results.
 """

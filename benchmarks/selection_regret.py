@@ -11,7 +11,7 @@ regret = latency of the chosen plan / latency of the fastest plan measured on th
 plans the study timed count (a study with ``--plan-filter '_lpt$'`` times one task organization per
 kernel and layout); a chosen plan that was not timed is reported as such, never guessed.
 
-    python benchmarks/selection_regret.py benchmarks/results/h200_kernels_n32k_tma/records.jsonl
+    python benchmarks/selection_regret.py benchmarks/results/plan_table/evaluation.jsonl.xz
     python benchmarks/selection_regret.py RECORDS --table PATH --md OUT.md
     python benchmarks/selection_regret.py RECORDS --table A.json --table B.json   # tables side by side
     python benchmarks/selection_regret.py RUN1 RUN2 --table PATH   # repeated runs of the same cases
