@@ -1,6 +1,6 @@
 """Where the host time of one complete request goes, function by function, on this machine.
 
-``request_breakdown.py`` times whole stages between syncs; cProfile (its ``--profile-dir``) adds a
+``request_breakdown.py`` times whole stages between syncs; cProfile (its ``--profile``) adds a
 few microseconds to every call it sees, which is the size of what is measured here. This script
 wraps the functions of a complete request (``Runtime.attention`` for a new mask object) with
 ``perf_counter_ns`` and reports the mean inclusive time of each per request, for a kept

@@ -75,6 +75,7 @@ def run_explain(args: argparse.Namespace) -> int:
     import torch
 
     from .catalog import all_kernels
+    from .library import native_available
     from .mask_state import build_mask_state
     from .plan_table import load_plan_table
     from .plans import Request
@@ -88,9 +89,8 @@ def run_explain(args: argparse.Namespace) -> int:
             table = load_plan_table(args.table)
         except PlanTableError as err:
             raise InvalidArgumentError("--table", "a plan table file (tessera profile writes one)", err) from None
-    target = args.arch
-    if target is None and torch.cuda.is_available():
-        target = "sm{}{}".format(*torch.cuda.get_device_capability())
+    device_arch = "sm{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    target = args.arch or device_arch
     if target is None:
         target = table.arch if args.table is not None else "sm90"
     if args.table is not None and table.arch != target:
@@ -107,7 +107,10 @@ def run_explain(args: argparse.Namespace) -> int:
     else:
         mask = random_mask(1, heads, args.seq, args.seq, bq, bkv, density=args.density, empty_rows=False)
     request = Request(1, args.heads, args.seq, args.seq, args.head_dim, args.dtype, bq, bkv, target)
-    selector, state = Selector(table=table, kernels=all_kernels()), build_mask_state(mask)
+    # The loaded library's kernels where it serves the architecture explained (then a table profiled
+    # on other kernel sources says so), else every kernel of the catalog.
+    loaded = target == device_arch and native_available()
+    selector, state = Selector(table=table, kernels=None if loaded else all_kernels()), build_mask_state(mask)
     selection = selector.rank(request, state)
     print(selection.explain())
     if selection.chosen is not None:  # what the runtime re-prepares the mask with when it comes back

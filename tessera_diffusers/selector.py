@@ -25,7 +25,7 @@ Order of decision:
 The chosen plan runs a mask's first request in the natural query layout. For a mask that comes back
 (``Runtime``), ``Selector.reused_plan`` names the plan to re-prepare it with once, possibly in the
 grouped query layout (each head's query blocks regrouped by key set, ``regroup.py``: a preparation
-about 0.3-0.8 ms longer at 32k tokens, paid back by the requests after it): the table's plan for the
+0.2-0.3 ms longer at 32k tokens, paid back by the requests after it): the table's plan for the
 request's ``/reused`` key where it was profiled (``tessera profile --reused-masks``: natural and
 grouped plans timed side by side), else the rule of ``reused_mask_plan`` (the same plan grouped, on
 Hopper, for query blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows). ``$TESSERA_GROUP_QUERIES`` = ``0``

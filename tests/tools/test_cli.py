@@ -143,3 +143,23 @@ def test_smoke_profile_report_names_what_was_profiled(tmp_path, capsys):
     assert profile_cli.main(argv) == 0
     title = (tmp_path / profile_cli.REPORT_FILE).read_text().splitlines()[0]
     assert "no native kernels, the PyTorch executor's plans" in title
+
+
+def test_explain_on_a_gpu_with_the_library_says_when_the_table_is_stale(monkeypatch, capsys):
+    """On the device the table serves, explain plans with the loaded library's kernels, so a table
+    profiled on other kernel sources gets the note the runtime warns with; elsewhere it plans with
+    the whole catalog and has no library to compare with."""
+    from tessera_diffusers import catalog, library, selector
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(library, "native_available", lambda: True)
+    monkeypatch.setattr(selector, "discover_kernels", lambda arch: (catalog.all_kernels(), None))
+    monkeypatch.setattr(selector, "library_kernel_sources", lambda cuda=True, part="kernel_sources": "0" * 16)
+    argv = ["explain", "--geometry", "Q64K64", "--seq", "4096", "--heads", "2"]
+    with pytest.warns(UserWarning, match="stale|profiled on"):
+        assert call("tessera", argv) == 0
+    assert "plan table possibly stale" in capsys.readouterr().out
+    monkeypatch.setattr(library, "native_available", lambda: False)
+    assert call("tessera", argv) == 0
+    assert "possibly stale" not in capsys.readouterr().out

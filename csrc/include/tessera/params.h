@@ -50,7 +50,7 @@ typedef struct TesseraAttnParams {
                          // CTA takes every grid_size-th task (static striding)
   const int32_t* q_units;  // grouped query layout: [Bm, Hm, nQT * kq], the query unit (of q_unit rows)
                            // at position a of query tile t is q_units[.., t * kq + a], -1 for none;
-                           // NULL: the natural layout (unit t * kq + a). Hopper family only.
+                           // NULL: the natural layout (unit t * kq + a). Both families read it.
 } TesseraAttnParams;
 
 // Split-K merge: o_partial/lse_partial -> o (and lse when not NULL).

@@ -1,4 +1,5 @@
-// Hopper consumer side: wgmma Q K^T (both operands in shared memory) and P V (P from registers),
+// Hopper consumer side: wgmma Q K^T (K from shared memory; Q from shared memory, or from registers
+// where the KV tile has 64 columns: Traits::kQInRegisters) and P V (P from registers),
 // membership masking and the online softmax, with the softmax of tile i overlapped with the P V
 // product of tile i - 1 inside each warpgroup:
 //
@@ -6,8 +7,8 @@
 //   mask + softmax(S) -> alpha, row max and sum;     wait O; release V_{i-1};
 //   O *= alpha;  P_i = bf16(S)
 //
-// The two consumer warpgroups (128-row tiles) run out of lockstep: nothing in the loop
-// synchronizes them, so one warpgroup's softmax also overlaps the other's GEMMs.
+// The two consumer warpgroups of a 128-row tile take turns issuing their GEMMs (ping-pong, named
+// barriers below), so one warpgroup's softmax also overlaps the other's GEMMs.
 #pragma once
 #include <math_constants.h>
 
