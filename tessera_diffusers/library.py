@@ -25,6 +25,7 @@ from functools import cache
 
 import torch
 
+from . import config
 from .catalog import kernel_spec_from_row
 from .errors import CatalogError, InvalidArgumentError, NativeKernelError
 from .kernel_table import all_rows
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 LIBRARY_FILE = "libtessera_kernels.so"
 ABI_VERSION = 5  # TESSERA_ABI_VERSION
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}  # TesseraMergeParams.dtype
-NATIVE_PREPARE_ENV = "TESSERA_NATIVE_PREPARE"  # "0": preparation, statistics and grouping in torch
+NATIVE_PREPARE_ENV = config.NATIVE_PREPARE_ENV  # "0": preparation, statistics and grouping in torch
 MAX_UNION_GROUPS = 4  # TESSERA_MAX_UNION_GROUPS
 
 
@@ -202,7 +203,7 @@ class NativeLibrary:
 
 
 def library_path() -> str:
-    override = os.environ.get("TESSERA_NATIVE_LIB")
+    override = config.current().native_lib
     if override:
         return override
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native", LIBRARY_FILE)
@@ -286,7 +287,7 @@ def grouping_library() -> NativeLibrary | None:
 def native_path_enabled(device: torch.device) -> bool:
     """Whether tensors on ``device`` are prepared natively: CUDA, a library with the preparation
     functions, and ``TESSERA_NATIVE_PREPARE`` not ``"0"``."""
-    return device.type == "cuda" and os.environ.get(NATIVE_PREPARE_ENV, "1") != "0" and native_library() is not None
+    return device.type == "cuda" and config.current().native_prepare and native_library() is not None
 
 
 def require_library(device: torch.device, library: NativeLibrary | None) -> NativeLibrary:

@@ -59,7 +59,6 @@ with no accelerator); the CPU tests and ``cp_scaling.py --smoke`` give it a coun
 from __future__ import annotations
 
 import itertools
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,6 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import config
 from .errors import InvalidArgumentError, MaskError, TesseraError, describe_tensor
 from .mask import LogicalMask
 from .peer_exchange import CopyEngineAllToAll, PeerExchangeError, copy_engine_unavailable
@@ -83,7 +83,7 @@ DEFAULT_HEAD_CHUNKS = 2
 # tessera_diffusers.peer_exchange), "nccl" (all_to_all_single) or "auto" (copy engines where every
 # rank can use them, else NCCL). TESSERA_ULYSSES_TRANSPORT sets the default.
 TRANSPORTS = ("auto", "copy_engine", "nccl")
-TRANSPORT_ENV = "TESSERA_ULYSSES_TRANSPORT"
+TRANSPORT_ENV = config.ULYSSES_TRANSPORT_ENV
 
 
 class ContextParallelError(TesseraError):
@@ -122,7 +122,7 @@ class Ulysses:
         transport: str | None = None,
     ):
         source = "transport" if transport is not None else TRANSPORT_ENV
-        transport = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")
+        transport = transport if transport is not None else config.current().ulysses_transport
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(source, f"one of {', '.join(TRANSPORTS)}", repr(transport))
         chunks = check_chunks(chunks)

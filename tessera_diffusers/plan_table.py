@@ -74,6 +74,7 @@ from stat import S_ISREG
 from types import MappingProxyType
 from typing import Any, BinaryIO
 
+from . import config
 from .catalog import catalog_hash
 from .errors import PlanTableError
 from .mask_state import Stat
@@ -84,7 +85,7 @@ SCHEMA_VERSION = 2
 CONTENDER_REGRET = 1.03  # a plan within this of the best on one of a regime's cases contends there
 CHOICES = ("ranking", "cost_model", "calibrated", "plan_rule")  # how a regime picks its plan (Regime.choice)
 # Environment variable naming a table file to use instead of the shipped one of its architecture.
-TABLE_ENV = "TESSERA_PLAN_TABLE"
+TABLE_ENV = config.PLAN_TABLE_ENV
 STAT_NAMES: tuple[str, ...] = tuple(s.name.lower() for s in Stat)
 
 
@@ -924,7 +925,7 @@ def shipped_table_path(arch: str) -> Path:
 def default_table(arch: str) -> TableLoad:
     """The table for ``arch``: ``$TESSERA_PLAN_TABLE`` when it names a table of that architecture,
     else the shipped ``data/plan_table_<arch>.json``; read once per path."""
-    override = os.environ.get(TABLE_ENV)
+    override = config.current().plan_table
     if override:
         found = load_table_file(override)
         if found.table is None or found.table.arch == arch:

@@ -46,13 +46,12 @@ for none of them again.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
-from . import library
+from . import config, library
 from .catalog import all_kernels, plans_for
 from .cost_model import PlanEstimator
 from .eligibility import rejection
@@ -287,7 +286,7 @@ class Selector:
         """The ``/reused`` request whose table choice ``reused_plan`` takes for a mask that ran
         ``plan``, or None where the rule of ``reused_mask_plan`` decides: ``plan`` already grouped,
         ``$TESSERA_GROUP_QUERIES`` set, or no such key in the table."""
-        if os.environ.get(GROUP_QUERIES_ENV, "") in ("0", "1") or plan.q_layout is QLayout.GROUPED:
+        if config.current().group_queries is not None or plan.q_layout is QLayout.GROUPED:
             return None
         reused = dataclasses.replace(request, reused_mask=True)
         table = self.context(request.arch, warn).table
@@ -539,7 +538,7 @@ def estimate_with(estimator: PlanEstimator, state: MaskState) -> list[float]:
 # 4-15% of kernel time on the H200, on 64-row blocks next to nothing (docs/results.md, "Design
 # decisions"). The rule serves tables without a ``/reused`` key (Selector.reused_plan).
 GROUPED_MAX_BLOCK_Q = 32
-GROUP_QUERIES_ENV = "TESSERA_GROUP_QUERIES"  # "0": never, "1": every plan that can, unset: the rule
+GROUP_QUERIES_ENV = config.GROUP_QUERIES_ENV  # "0": never, "1": every plan that can, unset: the table or the rule
 
 
 def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
@@ -548,10 +547,10 @@ def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
     blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows, else ``plan`` itself."""
     if plan.q_layout is QLayout.GROUPED or not plan.can_group_queries:
         return plan
-    setting = os.environ.get(GROUP_QUERIES_ENV, "")
-    if setting == "0":
+    setting = config.current().group_queries
+    if setting is False:
         return plan
-    if setting != "1" and (plan.kernel.family is not Family.HOPPER or request.block_q > GROUPED_MAX_BLOCK_Q):
+    if setting is None and (plan.kernel.family is not Family.HOPPER or request.block_q > GROUPED_MAX_BLOCK_Q):
         return plan
     return plan.grouped()
 

@@ -21,7 +21,7 @@ SOURCES = {PACKAGE: ROOT / "tessera_diffusers", f"{PACKAGE}.processors": ROOT / 
 # The modules a request runs through, and what they must not reach, directly or through each other.
 ONLINE = ("errors", "mask", "mask_state", "plans", "catalog", "kernel_table", "eligibility", "reference",
           "executor", "prepare", "prepared", "regroup", "native_prepare", "ops", "plan_table", "selector",
-          "cost_model", "runtime", "validation", "library", "mask_counts")
+          "cost_model", "runtime", "validation", "library", "mask_counts", "config")
 OFFLINE = ("corpus", "profile", "bench", "processors", "sparsifiers", "parallel", "demo", "cli", "testing")
 # The diffusers-free rest of the core beside the online path: the context parallelism the processors
 # build on, and the sparsifiers (with their subpackage's modules).
