@@ -19,6 +19,7 @@ Environment: ``TESSERA_CUDA_ARCHS`` ("80;90" by default; "none" skips the build)
 from __future__ import annotations
 
 import argparse
+import glob
 import concurrent.futures
 import hashlib
 import importlib.util
@@ -51,6 +52,38 @@ def load_kernel_table():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows an NVIDIA GPU (its driver's device nodes or ``nvidia-smi -L``)."""
+    if glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*"):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "GPU" in listed
+
+
+def install_archs(environ: dict | None = None, gpu: bool | None = None) -> tuple[str | None, str]:
+    """The archs ``pip install`` compiles, or None and why not: ``TESSERA_CUDA_ARCHS`` when set
+    (``none`` skips), else the default archs where a GPU is visible. Without one a newcomer's
+    install takes seconds, not the catalog's compile; the first use on a GPU then names the
+    command that builds the kernels."""
+    environ = os.environ if environ is None else environ
+    archs = environ.get("TESSERA_CUDA_ARCHS")
+    if archs is not None:
+        if archs.strip().lower() in ("none", "off", "0", ""):
+            return None, "TESSERA_CUDA_ARCHS=none: the native library is not built (reference path only)"
+        return archs, f"TESSERA_CUDA_ARCHS={archs}"
+    if not (gpu_visible() if gpu is None else gpu):
+        return None, ("no NVIDIA GPU on this machine: the kernels are not compiled (the reference path runs "
+                      "everything); TESSERA_CUDA_ARCHS=\"80;90\" pip install . compiles them anyway, "
+                      "`tessera build` in a source checkout later")
+    return DEFAULT_ARCHS, f"a GPU is visible: the default archs {DEFAULT_ARCHS}"
 
 
 def find_nvcc() -> str | None:

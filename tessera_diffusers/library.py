@@ -216,8 +216,8 @@ def load_library() -> NativeLibrary:
     path = library_path()
     if not os.path.isfile(path):
         raise CatalogError(
-            f"native library not found at {path}: install with nvcc available (TESSERA_CUDA_ARCHS not 'none') "
-            "or build it with `python csrc/build_native.py`"
+            f"native library not found at {path}: `pip install .` builds it where nvcc is available and a GPU "
+            "is visible (or with TESSERA_CUDA_ARCHS=\"80;90\" set); in a source checkout `tessera build` builds it"
         )
     try:
         handle = ctypes.CDLL(path)

@@ -259,3 +259,15 @@ def test_a_library_source_hash_is_asked_for_by_its_manifest_name():
     for part in library.SOURCE_HASHES:
         value = library.kernel_sources(part)  # None without a library or in an older manifest
         assert value is None or len(value) == 16
+
+
+def test_pip_install_compiles_the_kernels_where_a_gpu_is_visible_or_when_asked():
+    """A GPU-less machine (a newcomer's laptop, CI) installs in seconds instead of compiling the
+    catalog; TESSERA_CUDA_ARCHS builds anyway (a wheel, an image) or never."""
+    build = build_native_module()
+    archs, why = build.install_archs({}, gpu=False)
+    assert archs is None and "no NVIDIA GPU" in why and "TESSERA_CUDA_ARCHS" in why and "tessera build" in why
+    assert build.install_archs({}, gpu=True)[0] == build.DEFAULT_ARCHS
+    assert build.install_archs({"TESSERA_CUDA_ARCHS": "90"}, gpu=False)[0] == "90"
+    assert build.install_archs({"TESSERA_CUDA_ARCHS": "none"}, gpu=True)[0] is None
+    assert isinstance(build.gpu_visible(), bool)
