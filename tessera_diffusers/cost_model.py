@@ -60,7 +60,7 @@ MASKED_TILE_SLOWDOWN = {Family.PORTABLE: 1.2, Family.HOPPER: 1.1}
 # The Hopper 64 x 64 tile against the 128 x 128 one decides the mixed Q32K32 / Q64K32 regimes (both
 # tiles masked there): on the profiling split's 30 cases of those regimes every value from 1.074 to
 # 1.096 gives the least regret (GM 1.0000, against 1.0135 on Q32K32 at the family's 1.1), and 1.085
-# is the middle of that range (benchmarks/fit_tile_rate.py --masked).
+# is the middle of that range (docs/results.md, "Design decisions").
 MASKED_TILE_SLOWDOWN_BY_SHAPE = {Family.HOPPER: {(64, 64, 4): 1.085}}
 
 

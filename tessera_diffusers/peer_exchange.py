@@ -14,7 +14,7 @@ one's own), so no SM waits on a peer. Per exchange ``seq``, with ``R = STAGING_S
     transfer stream  wait ready[j] >= seq  ->  pull my piece from j's area seq % R  ->  done[me] = seq on j
 
 Only the pulls run on the copy engines. The driver runs copies within one GPU as kernels, even
-batched ones asked to overlap compute (``benchmarks/copies_beside_attention.py``: on an H200 a
+batched ones asked to overlap compute (measured on an H200, ``docs/results.md``: a
 packing copy queued beside a persistent attention kernel ended with the kernel, a pull from the
 peer 0.4-0.5 ms after the kernel started). So the packing and own-piece copies are kernels that run before an
 attention kernel or after it, never beside it; ``copy_words`` makes them fast (16-byte words: 0.071 ms
@@ -409,7 +409,7 @@ def copy_words(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     The driver runs copies within one GPU as kernels (not on a copy engine, even when asked to
     overlap compute), so they wait for the SMs like any kernel; what is left to choose is a fast
-    one. A 96.8 MB head-chunk piece on an H200 (``benchmarks/copies_beside_attention.py``), packed
+    one. A 96.8 MB head-chunk piece on an H200, packed
     from rows at a pitch of 4 rows, two runs: 2-byte elements (``Tensor.copy_``, ``cuMemcpy2DAsync``)
     0.134-0.153 ms, 8-byte words 0.072-0.084 ms, 16-byte words 0.071-0.076 ms; a contiguous copy
     0.062-0.064 ms."""

@@ -223,32 +223,3 @@ def test_selection_regret_splits_regret_into_organization_and_tile():
     assert report.family_of("n32k:Q64K64-HD/text_sink/bench32k/h24/s0:bf16:d128:b1") == "Q64K64-HD"
     assert report.family_of("Q128K64/sliding_tile/bench32k/h24/s32") == "Q128K64"
     assert report.family_of("n32k:Q16K16/text_sink/bench32k/h24/s0:bf16:d128:b1:reused") == "Q16K16"  # --reused-masks
-
-
-def tiny_elf(sections: dict[str, bytes]) -> bytes:
-    """A minimal 64-bit little-endian ELF image holding ``sections`` (and its section-name table)."""
-    import struct
-
-    names = b"\0.shstrtab\0" + b"".join(name.encode() + b"\0" for name in sections)
-    blobs = [names] + list(sections.values())
-    data, offsets, at = b"", [], 64
-    for blob in blobs:
-        offsets.append(at)
-        data += blob
-        at += len(blob)
-    name_offsets = [1] + [names.index(name.encode() + b"\0") for name in sections]
-    headers = struct.pack("<IIQQQQIIQQ", *[0] * 10)  # the null section
-    for name_off, offset, blob in zip(name_offsets, offsets, blobs):
-        headers += struct.pack("<IIQQQQIIQQ", name_off, 1, 0, 0, offset, len(blob), 0, 0, 1, 0)
-    header = struct.pack("<16sHHIQQQIHHHHHH", b"\x7fELF\x02\x01\x01" + bytes(9), 1, 190, 1, 0, 0, at, 0, 64, 0, 0,
-                         64, len(blobs) + 1, 1)
-    return header + data + headers
-
-
-def write_counters_log(path: Path, rows: list[tuple[str, str, float]]) -> None:
-    """A kernel_counters.py log: header, then case, density, plan, ms, TF/s per pair."""
-    lines = ["case                             density plan    ms   TF/s"]
-    lines += [f"{case} 0.100 {plan} {ms:.3f} 500" for case, plan, ms in rows]
-    path.write_text("\n".join(lines) + "\n")
-
-
