@@ -1,8 +1,9 @@
 """The online path's knobs, in one place.
 
 Each knob is set by an environment variable (all optional; the defaults are what the benchmarks
-measure). ``current()`` reads them at each use, so a change takes effect at the next call; a value a
-knob does not know is refused where it is used, with the variable's name.
+measure). ``current()`` (every knob) and ``get(field)`` (one) read them at each use, so a change
+takes effect at the next call; a value a knob does not know is refused where it is used, with the
+variable's name.
 
 | field | variable | default | effect |
 |---|---|---|---|
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 PLAN_TABLE_ENV = "TESSERA_PLAN_TABLE"
 NATIVE_LIB_ENV = "TESSERA_NATIVE_LIB"
@@ -41,21 +41,27 @@ class Config:
     ulysses_transport: str = "auto"
 
 
+def parse_group_queries(value: str | None) -> bool | None:
+    return {"0": False, "1": True}.get(value or "")  # anything else: the table (or the rule) decides
+
+
+# field -> (its variable, the field's value from the variable's; unset and empty alike)
+FIELDS = {
+    "plan_table": (PLAN_TABLE_ENV, lambda value: value or None),
+    "native_lib": (NATIVE_LIB_ENV, lambda value: value or None),
+    "native_prepare": (NATIVE_PREPARE_ENV, lambda value: value != "0"),
+    "group_queries": (GROUP_QUERIES_ENV, parse_group_queries),
+    "ulysses_transport": (ULYSSES_TRANSPORT_ENV, lambda value: value or "auto"),
+}
+
+
+def get(field: str):
+    """One knob as the environment sets it now, reading its variable only (the readers on a
+    request's path call this: one environment lookup, not five)."""
+    variable, parse = FIELDS[field]
+    return parse(os.environ.get(variable))
+
+
 def current() -> Config:
-    """The knobs as the environment sets them now."""
-    return from_environment(tuple(os.environ.get(name) for name in VARIABLES))
-
-
-@lru_cache(maxsize=32)
-def from_environment(values: tuple[str | None, ...]) -> Config:
-    """The ``Config`` of the variables' values, in the order of ``VARIABLES`` (unset: None). An
-    empty value counts as unset; ``TESSERA_GROUP_QUERIES`` other than ``0`` or ``1`` leaves the
-    decision to the table."""
-    table, lib, prepare, group, transport = (value or None for value in values)
-    return Config(
-        plan_table=table,
-        native_lib=lib,
-        native_prepare=prepare != "0",
-        group_queries={"0": False, "1": True}.get(group or ""),
-        ulysses_transport=transport or "auto",
-    )
+    """Every knob as the environment sets it now."""
+    return Config(**{field: get(field) for field in FIELDS})

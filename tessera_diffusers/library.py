@@ -203,7 +203,7 @@ class NativeLibrary:
 
 
 def library_path() -> str:
-    override = config.current().native_lib
+    override = config.get("native_lib")
     if override:
         return override
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native", LIBRARY_FILE)
@@ -287,7 +287,7 @@ def grouping_library() -> NativeLibrary | None:
 def native_path_enabled(device: torch.device) -> bool:
     """Whether tensors on ``device`` are prepared natively: CUDA, a library with the preparation
     functions, and ``TESSERA_NATIVE_PREPARE`` not ``"0"``."""
-    return device.type == "cuda" and config.current().native_prepare and native_library() is not None
+    return device.type == "cuda" and config.get("native_prepare") and native_library() is not None
 
 
 def require_library(device: torch.device, library: NativeLibrary | None) -> NativeLibrary:

@@ -122,7 +122,7 @@ class Ulysses:
         transport: str | None = None,
     ):
         source = "transport" if transport is not None else TRANSPORT_ENV
-        transport = transport if transport is not None else config.current().ulysses_transport
+        transport = transport if transport is not None else config.get("ulysses_transport")
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(source, f"one of {', '.join(TRANSPORTS)}", repr(transport))
         chunks = check_chunks(chunks)

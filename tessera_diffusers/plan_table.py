@@ -925,7 +925,7 @@ def shipped_table_path(arch: str) -> Path:
 def default_table(arch: str) -> TableLoad:
     """The table for ``arch``: ``$TESSERA_PLAN_TABLE`` when it names a table of that architecture,
     else the shipped ``data/plan_table_<arch>.json``; read once per path."""
-    override = config.current().plan_table
+    override = config.get("plan_table")
     if override:
         found = load_table_file(override)
         if found.table is None or found.table.arch == arch:

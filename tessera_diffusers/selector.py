@@ -286,7 +286,7 @@ class Selector:
         """The ``/reused`` request whose table choice ``reused_plan`` takes for a mask that ran
         ``plan``, or None where the rule of ``reused_mask_plan`` decides: ``plan`` already grouped,
         ``$TESSERA_GROUP_QUERIES`` set, or no such key in the table."""
-        if config.current().group_queries is not None or plan.q_layout is QLayout.GROUPED:
+        if config.get("group_queries") is not None or plan.q_layout is QLayout.GROUPED:
             return None
         reused = dataclasses.replace(request, reused_mask=True)
         table = self.context(request.arch, warn).table
@@ -547,7 +547,7 @@ def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
     blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows, else ``plan`` itself."""
     if plan.q_layout is QLayout.GROUPED or not plan.can_group_queries:
         return plan
-    setting = config.current().group_queries
+    setting = config.get("group_queries")
     if setting is False:
         return plan
     if setting is None and (plan.kernel.family is not Family.HOPPER or request.block_q > GROUPED_MAX_BLOCK_Q):
