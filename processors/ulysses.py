@@ -16,9 +16,8 @@ import torch
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.parallel import ContextParallelError, Ulysses, layout_attention
 
-from .compat import wan_qkv_projections
 from .context import ForwardContext, ModuleRoute, ProcessorLike, Route
-from .wan import apply_wan_rotary
+from .wan import apply_wan_rotary, wan_qkv_heads
 
 
 def ulysses_processor_call(
@@ -56,12 +55,7 @@ def ulysses_wan_self_attention(
     ulysses: Ulysses = processor.ulysses
     seq = hidden_states.shape[1] * ulysses.degree
     layout = processor.layout_for(route, call.grid, seq)
-    query, key, value = wan_qkv_projections(attn, hidden_states, None)
-    query = attn.norm_q(query)  # RMSNorm over all heads: per token, so on the local chunk as well
-    key = attn.norm_k(key)
-    query = query.unflatten(2, (attn.heads, -1))  # [B, S/N, H, D]
-    key = key.unflatten(2, (attn.heads, -1))
-    value = value.unflatten(2, (attn.heads, -1))
+    query, key, value = wan_qkv_heads(attn, hidden_states)  # [B, S/N, H, D]: per token, so on the local chunk
     if rotary_emb is not None:
         cos, sin = rotary_emb
         if cos.shape[1] != hidden_states.shape[1]:

@@ -70,6 +70,15 @@ def check_wan_self_attention_call(
         )
 
 
+def wan_qkv_heads(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Wan's ``attn1`` projections and q/k RMS norms of ``x [B, S, C]`` (per token, so on any subset
+    of tokens), split into heads: ``q, k, v [B, S, H, D]``."""
+    query, key, value = wan_qkv_projections(attn, x, None)
+    query = attn.norm_q(query)  # RMSNorm over all heads
+    key = attn.norm_k(key)
+    return tuple(t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+
+
 def wan_self_attention(
     processor: ProcessorLike,
     attn: torch.nn.Module,
@@ -81,12 +90,7 @@ def wan_self_attention(
     """``hidden_states [B, S, C]`` (raster order, S = grid tokens) -> attention output ``[B, S, C]``."""
     layout = processor.layout_for(route, call.grid, hidden_states.shape[1])
     x = layout.to_layout(hidden_states)
-    query, key, value = wan_qkv_projections(attn, x, None)
-    query = attn.norm_q(query)
-    key = attn.norm_k(key)
-    query = query.unflatten(2, (attn.heads, -1))  # [B, S, H, D]
-    key = key.unflatten(2, (attn.heads, -1))
-    value = value.unflatten(2, (attn.heads, -1))
+    query, key, value = wan_qkv_heads(attn, x)  # [B, S, H, D]
     if rotary_emb is not None:
         cos, sin = processor.rotary_in_layout(rotary_emb, layout, token_dim=1)
         if cos.shape[1] != x.shape[1]:
