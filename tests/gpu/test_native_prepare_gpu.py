@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
-import os
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from tessera_diffusers import (
     TaskOrganization,
     Traversal,
     build_mask_state,
+    config,
     library,
     mask_counts,
     native_prepare,
@@ -46,7 +46,7 @@ CUDA_INVALID_VALUE = 1
 def native_library_present():
     if library.native_library() is None:
         pytest.skip("the loaded library has no tessera_prepare_* functions (rebuild it)")
-    if os.environ.get(library.NATIVE_PREPARE_ENV) == "0":
+    if not config.get("native_prepare"):
         pytest.skip(f"{library.NATIVE_PREPARE_ENV}=0 turns the native path off")
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import os
 
 import pytest
 import torch
 
-from tessera_diffusers import library, regroup
+from tessera_diffusers import config, library, regroup
 from tessera_diffusers.library import block_mask_struct, stream_handle
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +34,7 @@ SEGMENTS = {
 def grouping_kernel_present():
     if library.grouping_library() is None:
         pytest.skip("the loaded library has no tessera_group_query_blocks (rebuild it)")
-    if os.environ.get(library.NATIVE_PREPARE_ENV) == "0":
+    if not config.get("native_prepare"):
         pytest.skip(f"{library.NATIVE_PREPARE_ENV}=0 turns the native path off")
 
 
