@@ -55,7 +55,7 @@ FIELDS = {
 }
 
 
-def get(field: str):
+def get(field: str) -> str | bool | None:
     """One knob as the environment sets it now, reading its variable only (the readers on a
     request's path call this: one environment lookup, not five)."""
     variable, parse = FIELDS[field]
