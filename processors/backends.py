@@ -1,7 +1,8 @@
 """Attention backends the processor runs masks with, and the log-sum-exp merge of partial results.
 
 A backend computes block-sparse attention for a ``LogicalMask`` and keeps its per-mask plan state
-in the ``CacheSlot`` it is handed (so state lives exactly as long as the mask in the step cache):
+in the ``CacheSlot`` it is handed, or counts it there (``StepCache.track``) where its owner keeps it
+as long as the mask lives (Tessera's ``Runtime``):
 
     backend.attention(q, k, v, mask, slot=slot, cache=cache, return_lse=...)
         q [B, Sq, H, D], k, v [B, Skv, H, D] -> out [B, Sq, H, D] (and lse [B, H, Sq] fp32,
@@ -22,12 +23,11 @@ import torch
 
 from tessera_diffusers import reference
 from tessera_diffusers.mask import LogicalMask
-from tessera_diffusers.mask_state import build_mask_state
 from tessera_diffusers.runtime import Runtime, execute, make_request
 from tessera_diffusers.selector import Selector
 from tessera_diffusers.validation import check_inputs
 
-from .plan_cache import CacheSlot, StepCache, tensor_nbytes
+from .plan_cache import CacheSlot, StepCache
 
 AttentionResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 DENSE_BLOCK = 128  # block size of the dense helper masks (text keys / text queries)
@@ -56,15 +56,15 @@ class SparseAttentionBackend(Protocol):
 
 
 class TesseraBackend:
-    """Tessera's block-sparse attention with the prepared plan kept in the step cache.
+    """Tessera's block-sparse attention, each cache key (a layer and guidance branch, or a shared
+    dense helper mask) planning through a ``Runtime`` of its own.
 
-    Each cache key (a layer and guidance branch, or a shared dense helper mask) plans through a
-    ``Runtime`` of its own whose selector, with ``reuse_regime`` (on by default), lets each new mask
-    of the layer take the plan-table regime of the layer's previous mask without a statistics read
-    or a ranking scan: from a layer's second sparse step on, a new mask pays only its launch
-    preparation. ``runtime`` given: every key plans through that one Runtime instead. The prepared
-    plan of each mask is stored in the mask's cache slot; a reused mask's plan goes through
-    ``Runtime.regrouped`` as the runtime's own cache hits do."""
+    The Runtime keeps each mask's prepared plan while the mask lives (the step cache holds the mask
+    and counts the plan's bytes), and with ``reuse_regime`` (on by default) its selector lets each
+    new mask of the layer take the plan-table regime of the layer's previous mask without a
+    statistics read or a ranking scan: from a layer's second sparse step on, a new mask pays only
+    its launch preparation. ``runtime`` given: every key plans through that one Runtime instead
+    (its ``max_entries`` then bounds the plans of all layers, branches and head parts together)."""
 
     name = "tessera"
 
@@ -97,34 +97,18 @@ class TesseraBackend:
         scale = check_inputs(q, k, v, mask, None)
         request = make_request(q, k, mask, return_lse)
         runtime = self.runtime_for(slot.key)
-        built = []
-
-        def build():
-            with torch.no_grad():
-                state = build_mask_state(mask)
-                scans = runtime.selector.scans
-                prepared = runtime.plan_request(state, request, None)
+        misses, reused = runtime.misses, runtime.reused_selections
+        with torch.no_grad():
+            prepared = runtime.prepared_for(mask, request, None)
+        built = runtime.misses != misses
+        if built:
             counts = self.plan_counts.setdefault(slot.key, [0, 0])
             counts[0] += 1
-            # Reused: the layer's earlier decision served this mask (no ranking scan, no statistics read).
-            if counts[0] > 1 and runtime.selector.scans == scans and "host_stat_values" not in state.__dict__:
+            if counts[0] > 1 and runtime.reused_selections != reused:  # the layer's earlier decision served it
                 counts[1] += 1
-            built.append(prepared)
-            return prepared, tensor_nbytes(prepared)
-
-        plan_key = (self.name, request, part)
-        prepared = cache.plan(slot, plan_key, build)
+        cache.track(slot, (self.name, request, part), prepared, built)
         if prepared is None:  # no native plan for this request: the reference path
             return reference.attention(q, k, v, mask, scale, return_lse)
-        if not built and prepared.compaction_pending:  # a reused worst-case plan: its compact size once known
-            before = tensor_nbytes(prepared)
-            if prepared.settle():
-                cache.plan_resized(slot, tensor_nbytes(prepared) - before)
-        if not built:  # a reused mask: the plan Runtime.regrouped names for it (the grouped query layout)
-            reused = runtime.regrouped(prepared, request)
-            if reused is not prepared:
-                cache.plan_replaced(slot, plan_key, reused, tensor_nbytes(reused) - tensor_nbytes(prepared))
-                prepared = reused
         return execute(prepared, q, k, v, scale, return_lse)
 
     def reset_counts(self) -> None:

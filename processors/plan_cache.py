@@ -10,9 +10,10 @@ shapes, and sparse masks change slowly across steps. ``StepCache`` keeps, per ke
   its plan lives for its own call, and the layer keeps only its plan-table decision (the backend's);
   unless the sparsifier hands the same mask object back (a static mask, which it keeps alive
   itself): from then on that mask and its plan are kept like any other;
-- the plan state (Tessera's prepared plan, a FlexAttention ``BlockMask``, ...) is kept while the
-  slot holds the same mask object; a new mask object drops it (a sparsifier that returns the same
-  object for an unchanged pattern keeps it);
+- the plan state (a FlexAttention ``BlockMask``, ...) is kept while the slot holds the same mask
+  object; a new mask object drops it (a sparsifier that returns the same object for an unchanged
+  pattern keeps it). Tessera's prepared plans live in their ``Runtime``, which drops each with its
+  mask; the slot counts their bytes (``track``);
 - "dense" decisions (``None`` masks) are never kept: they are cheap to ask again, and a dense
   warm-up must end on time whatever the cadence;
 - the total size of everything kept is bounded by ``max_bytes``; the least recently used slots go
@@ -45,6 +46,7 @@ class CacheSlot:
     step: int  # step the mask was computed at
     signature: Hashable  # what the mask is valid for (layout, batch, sequence)
     plans: dict = field(default_factory=dict)  # backend plan key -> plan state
+    tracked: dict = field(default_factory=dict)  # plan key -> (weak ref, bytes) of a state kept elsewhere
     mask_bytes: int = 0
     plan_bytes: int = 0
 
@@ -147,18 +149,23 @@ class StepCache:
             self.enforce_bound(keep=slot.key)
         return state
 
-    def plan_replaced(self, slot: CacheSlot, plan_key: Hashable, state: object, delta: int) -> None:
-        """The kept plan state of ``slot`` for ``plan_key`` is now ``state``, ``delta`` bytes larger
-        (a reused mask's plan re-prepared: ``Runtime.regrouped``)."""
-        slot.plans[plan_key] = state
-        self.plan_resized(slot, delta)
+    def track(self, slot: CacheSlot, plan_key: Hashable, state: object, built: bool) -> None:
+        """Count a plan state that another owner keeps for the slot's mask (Tessera's prepared plans
+        live in their ``Runtime`` as long as the mask does): ``built`` or reused, and its bytes in
+        the slot's total, taken again whenever the owner hands over a new object (a trimmed or
+        re-prepared plan: ``Runtime.reuse``). The slot holds it weakly."""
+        if built:
+            self.stats.plan_builds += 1
+        else:
+            self.stats.plan_reuses += 1
+        ref, nbytes = slot.tracked.get(plan_key, (None, 0))
+        if (ref() if ref is not None else None) is state and plan_key in slot.tracked:
+            return
+        now = tensor_nbytes(state)
+        slot.tracked[plan_key] = (weakref.ref(state) if state is not None else None, now)
+        slot.plan_bytes = max(0, slot.plan_bytes + now - nbytes)
         if slot.key in self.slots:
             self.enforce_bound(keep=slot.key)
-
-    def plan_resized(self, slot: CacheSlot, delta: int) -> None:
-        """A kept plan state of ``slot`` changed size by ``delta`` bytes (a prepared plan that
-        trimmed its worst-case metadata: ``PreparedPlan.settle``)."""
-        slot.plan_bytes = max(0, slot.plan_bytes + int(delta))
 
     # ------------------------------------------------------------------ memory
     @property

@@ -87,6 +87,11 @@ class MaskState:
         """The ``Stat`` vector. ``[NUM_STATS]`` float32."""
         return stats_from_counts(self.stat_counts, self.kv_num_blocks.numel(), self.mask.blocks.numel())
 
+    @property
+    def statistics_read(self) -> bool:
+        """Whether the statistics were read to the host (``host_stat_values``: one sync)."""
+        return "host_stat_values" in self.__dict__
+
     @cached_property
     def host_stat_values(self) -> tuple[float, ...]:
         """The ``Stat`` vector on the host, equal to ``stats`` (one sync, kept). Reads the six counts

@@ -8,6 +8,7 @@ can be captured in a CUDA graph (pass ``out``/``lse``/``workspace`` to also avoi
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
@@ -32,7 +33,7 @@ from .library import (  # noqa: F401
     native_available,
 )
 from .plans import MEMBERSHIP_BITS, Family, KernelSpec, PhysicalPlan
-from .prepared import PreparedPlan, WorkspaceLayout
+from .prepared import LaunchConfig, PreparedPlan, WorkspaceLayout
 
 LOG2E = 1.4426950408889634
 
@@ -64,16 +65,16 @@ def sparse_attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Functional op: returns (out ``[B, Sq, H, D]``, lse ``[B, H, Sq]`` fp32).
 
-    ``kernel`` is a catalog kernel name; ``config = [num_q_tiles, capacity, slots, q_unit_log2,
-    kv_unit_log2, num_splits, persistent]`` (see ``PreparedPlan.launch_config``); ``q_units``: the
+    ``kernel`` is a catalog kernel name; ``config``: the fields of ``LaunchConfig`` in order (a
+    list, the type a custom op takes; ``PreparedPlan.launch_config``); ``q_units``: the
     grouped query layout's units (``PreparedPlan.q_units``), None for the natural layout.
 
     Shapes, dtypes, devices and the config are checked against each other and the kernel's limits
     (``check_launch``); the metadata's values are trusted: build them with ``prepare``."""
     spec = kernel_spec_named(kernel)
-    check_launch(q, k, v, spec, (tile_counts, tile_slots, tile_member, q_order, q_units), config)
+    config = check_launch(q, k, v, spec, (tile_counts, tile_slots, tile_member, q_order, q_units), config)
     q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
-    out, lse, workspace, _ = output_buffers(q, config[5], True)
+    out, lse, workspace, _ = output_buffers(q, config.num_splits, True)
     launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, out, lse, workspace,
            q_units)
     return out, lse
@@ -94,11 +95,12 @@ MIN_UNIT = 16  # the smallest query unit and KV slot (blocks and tiles are multi
 
 
 def check_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: KernelSpec,
-                 metadata: tuple[torch.Tensor | None, ...], config: list[int]) -> None:
+                 metadata: tuple[torch.Tensor | None, ...], config: Sequence[int]) -> LaunchConfig:
     """Refuse, before any launch, a call whose tensors the kernel would read past: q ``[B, Sq, H, D]``
     and k, v ``[B, Skv, H, D]`` of the kernel's dtype and head_dim on one CUDA device, and metadata
-    ``(tile_counts, tile_slots, tile_member, q_order, q_units)`` shaped as ``config`` (see
-    ``sparse_attention_fwd``) says for this q, within the kernel's slot and membership limits."""
+    ``(tile_counts, tile_slots, tile_member, q_order, q_units)`` shaped as ``config`` (the fields of
+    ``LaunchConfig``) says for this q, within the kernel's slot and membership limits. Returns the
+    config as a ``LaunchConfig``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise InvalidArgumentError(name, "a 4-D tensor [B, S, H, D]", describe_tensor(t))
@@ -114,9 +116,10 @@ def check_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Kernel
     batch, seq_q, heads, _ = q.shape
     if (k.shape[0], k.shape[2]) != (batch, heads):
         raise InvalidArgumentError("k", f"batch {batch} and heads {heads} (those of q)", tuple(k.shape))
-    if len(config) != 7 or not all(isinstance(c, int) for c in config):
-        raise InvalidArgumentError("config", "7 ints [num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, "
-                                   "num_splits, persistent]", repr(config))
+    if len(config) != len(LaunchConfig._fields) or not all(isinstance(c, int) for c in config):
+        raise InvalidArgumentError("config", f"{len(LaunchConfig._fields)} ints {list(LaunchConfig._fields)}",
+                                   repr(config))
+    config = LaunchConfig(*config)
     num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, persistent = config
     if not (MIN_UNIT.bit_length() - 1 <= kv_unit_log2 < 16 and (1 << kv_unit_log2) * slots == spec.tile_kv):
         raise InvalidArgumentError("config", f"slots x 2^kv_unit_log2 = tile_kv {spec.tile_kv} with a KV unit of at "
@@ -148,10 +151,11 @@ def check_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Kernel
         if t is None and name == "q_units":
             continue
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-            raise InvalidArgumentError(name, f"{dtype} {list(shape)} (config {config}, q {tuple(q.shape)})",
+            raise InvalidArgumentError(name, f"{dtype} {list(shape)} ({config}, q {tuple(q.shape)})",
                                        describe_tensor(t))
         if t.device != q.device or not t.is_contiguous():
             raise InvalidArgumentError(name, f"a contiguous tensor on {q.device}", f"{t.device}, strides {t.stride()}")
+    return config
 
 
 def output_buffers(q: torch.Tensor, num_splits: int, with_lse: bool, task_counter: bool = False):
@@ -225,7 +229,7 @@ class LaunchTemplate:
 
 
 def launch_template(q: torch.Tensor, k: torch.Tensor, metadata: tuple[torch.Tensor, ...], kernel: str,
-                    config: list[int], scale: float, strides: tuple[tuple[int, ...], ...]) -> LaunchTemplate:
+                    config: Sequence[int], scale: float, strides: tuple[tuple[int, ...], ...]) -> LaunchTemplate:
     """The fixed part of a launch (see ``LaunchTemplate``), bound to ``metadata`` = (tile_counts,
     tile_slots, tile_member, q_order, q_units); ``strides`` = the (b, s, h) strides of q, k, v and the output."""
     key = (kernel, tuple(config), tuple(q.shape), k.shape[1], tuple(metadata[0].shape[:2]), strides,
@@ -241,12 +245,12 @@ def unbound_template(kernel: str, config: tuple[int, ...], q_shape: tuple[int, .
     arguments and the loaded library)."""
     lib = load_library()
     batch, seq_q, heads, head_dim = q_shape
-    num_q_tiles, capacity, slots, q_unit_log2, kv_unit_log2, num_splits, persistent = config
+    config = LaunchConfig(*config)
     kid = lib.kernel_ids.get(kernel)
     if kid is None:
         raise CatalogError(f"kernel {kernel} is not in the loaded library {lib.path}")
     grid_size = 0
-    if persistent:
+    if config.persistent:
         grid_size = ctas_per_sm(kid, device_index) * torch.cuda.get_device_properties(device_index).multi_processor_count
     out_strides = strides[3]
     p = TesseraAttnParams()
@@ -254,15 +258,15 @@ def unbound_template(kernel: str, config: tuple[int, ...], q_shape: tuple[int, .
         fill_strides(field_, st)
     p.batch, p.heads, p.seq_q, p.seq_kv = batch, heads, seq_q, seq_kv
     p.mask_batch, p.mask_heads = mask_dims
-    p.num_q_tiles, p.capacity, p.slots = num_q_tiles, capacity, slots
-    p.q_unit_log2, p.kv_unit_log2 = q_unit_log2, kv_unit_log2
-    p.num_splits, p.grid_size = num_splits, grid_size
+    p.num_q_tiles, p.capacity, p.slots = config.num_q_tiles, config.capacity, config.slots
+    p.q_unit_log2, p.kv_unit_log2 = config.q_unit_log2, config.kv_unit_log2
+    p.num_splits, p.grid_size = config.num_splits, grid_size
     p.scale_log2 = scale * LOG2E
     m = None
-    if num_splits > 1:
+    if config.num_splits > 1:
         m = TesseraMergeParams()
         fill_strides(m.o_stride, out_strides)
-        m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits = batch, heads, seq_q, head_dim, num_splits
+        m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits = batch, heads, seq_q, head_dim, config.num_splits
         m.dtype = DTYPE_CODES[dtype]
     return LaunchTemplate(kid, p, m)
 
@@ -286,7 +290,7 @@ def launch(
     tile_member: torch.Tensor,
     q_order: torch.Tensor,
     kernel: str,
-    config: list[int],
+    config: Sequence[int],
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor | None,
@@ -335,7 +339,7 @@ def run_native(
         prepared.check_call(q, k, v)
         out, lse = torch.ops.tessera.sparse_attention_fwd(
             q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
-            spec.name, prepared.launch_config(), scale, prepared.q_units,
+            spec.name, list(prepared.launch_config()), scale, prepared.q_units,
         )
         return (out, lse) if return_lse else out
     return run_direct(prepared, q, k, v, scale, return_lse)
@@ -352,14 +356,14 @@ def run_direct(prepared, q, k, v, scale, return_lse):
     q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.device, k.device, v.device, scale)
-    templates = prepared.launch_templates
+    templates = prepared.launch_state.templates
     template = templates.get(key)
     if template is None:  # what a template fixes is checked once per such key
         prepared.check_call(q, k, v)
         check_launch(q, k, v, prepared.plan.kernel, prepared.metadata, prepared.launch_config())
     deferred = prepared.compaction_pending
     if deferred and torch.cuda.is_current_stream_capturing():
-        prepared.pin()  # the graph replays these metadata pointers: settle() must never move them
+        prepared.pin()  # the graph replays these metadata pointers: they must never be replaced
     out, lse, workspace, counter = output_buffers(q, prepared.plan.tasks.num_splits, return_lse,
                                                   dynamic_schedule(prepared.plan))
     if template is None:

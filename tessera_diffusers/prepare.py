@@ -73,7 +73,7 @@ from .prepared import PreparedPlan, check_plan, regrouped_state, unit_activity
 # queued before it has finished, and the GPU waits for the host's work after it (Q128K128 at 32k
 # tokens x 24 heads: 19 MB; Q16K16 there: 63 MB; Q64K64: 75 MB; Wan2.1 720p, 40 heads, Q64K64:
 # 670 MB, which compacts). Above DEFERRED_COMPACTION_BYTES such a plan trims itself to the compact
-# size at its first reuse after the longest count has reached the host (``PreparedPlan.settle``),
+# size at its first reuse after the longest count has reached the host (``PreparedPlan.compacted``),
 # so a kept plan holds the worst case only until then.
 SYNC_FREE_METADATA_BYTES = 128 << 20
 DEFERRED_COMPACTION_BYTES = 8 << 20
@@ -86,7 +86,7 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -
     sync (a scalar) and shrinks the metadata by the inverse density; ``compact=False`` keeps the
     worst-case capacity and never syncs (for capture in a CUDA graph). ``None`` (the default)
     compacts unless the native path can write the worst case within ``SYNC_FREE_METADATA_BYTES``;
-    a worst case above ``DEFERRED_COMPACTION_BYTES`` is then trimmed at a later reuse (``settle``).
+    a worst case above ``DEFERRED_COMPACTION_BYTES`` is then trimmed at a later reuse (``PreparedPlan.compacted``).
 
     On CUDA, the native library builds the same metadata in a few launches from one or two ctypes
     calls (``native_prepare.prepare_native``; ``TESSERA_NATIVE_PREPARE=0`` turns it off). The torch
@@ -103,7 +103,7 @@ def prepare(plan: PhysicalPlan, state: MaskState, compact: bool | None = None) -
         defer = not compact and worst > DEFERRED_COMPACTION_BYTES
     prepared = native.prepare_native(plan, state, compact) if native is not None else prepare_torch(plan, state, compact)
     if defer:  # queued by the first launch, after it (its host ops stay off the request's path)
-        prepared.compaction.at_first_launch = True
+        prepared.launch_state.compact_after_first_launch = True
     return prepared
 
 
@@ -128,8 +128,7 @@ def prepare_grouped(plan: PhysicalPlan, state: MaskState, compact: bool | None =
     natural = dataclasses.replace(plan, q_layout=QLayout.NATURAL)
     # The regrouped mask (a copy of the block tensor) lives only while its metadata is built.
     inner = prepare(natural, regrouped_state(plan, state, q_units), compact)
-    return dataclasses.replace(inner, plan=plan, state=state, q_units=q_units, compaction=inner.compaction,
-                               launch_templates={})
+    return dataclasses.replace(inner, plan=plan, state=state, q_units=q_units)
 
 
 def worst_case_metadata_bytes(plan: PhysicalPlan, mask: LogicalMask) -> int:

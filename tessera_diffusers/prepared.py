@@ -10,8 +10,9 @@ builds prepared plans, sits below ``prepare()``, which dispatches to it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -47,18 +48,36 @@ class WorkspaceLayout:
         return o, lse
 
 
-@dataclass
-class DeferredCompaction:
-    """Where a worst-case plan's trim to the compact size stands (``PreparedPlan.settle``)."""
+class LaunchConfig(NamedTuple):
+    """The integers a native launch needs besides the tensors (``ops.sparse_attention_fwd`` takes
+    them as a list in this order)."""
 
-    at_first_launch: bool = False  # the longest count's read is to be queued behind the first launch
+    num_q_tiles: int
+    capacity: int  # most KV tiles a query tile can have
+    slots: int  # KV slots per tile
+    q_unit_log2: int
+    kv_unit_log2: int
+    num_splits: int
+    persistent: int  # 0 or 1
+
+
+@dataclass(eq=False)
+class LaunchState:
+    """The mutable bookkeeping of a prepared plan's launches (not part of the plan's value): the
+    launch templates the native launcher built for its tensors (``ops.run_direct``), and where a
+    worst-case plan's trim to the compact size stands (``PreparedPlan.compacted``)."""
+
+    templates: dict = field(default_factory=dict)
+    compact_after_first_launch: bool = False  # queue the longest count's read behind the first launch
     pending: tuple | None = None  # (longest count: pinned host tensor or CPU tensor, event, stream)
-    pinned: bool = False  # a CUDA graph or a compiled graph holds the tensors: never moved
+    pinned: bool = False  # a CUDA graph or a compiled graph holds the tensors: never replaced
 
 
 @dataclass(frozen=True, eq=False)
 class PreparedPlan:
-    """A plan bound to one mask: everything the kernel reads besides q, k, v.
+    """A plan bound to one mask: everything the kernel reads besides q, k, v. Immutable: a trimmed
+    or re-prepared plan is a new object (``compacted``, ``Runtime.reuse``); only ``launch_state``,
+    the launcher's bookkeeping, changes.
 
     The run tensors (``run_counts``, ``run_starts``, ``run_lengths``) are not passed to any kernel;
     they are computed from the mask on first access and kept."""
@@ -72,10 +91,7 @@ class PreparedPlan:
     tile_member: torch.Tensor  # [Bm, Hm, nQT, cap] int64
     q_order: torch.Tensor  # [Bm, Hm, nQT] int32
     q_units: torch.Tensor | None = None  # [Bm, Hm, nQT * kq] int32: the grouped query layout, else None
-    # Mutable state behind the frozen fields: the deferred compaction, and the launch templates the
-    # native launcher built for these tensors (``ops.run_direct``; dropped when ``settle`` moves them).
-    compaction: DeferredCompaction = field(default_factory=DeferredCompaction, repr=False)
-    launch_templates: dict = field(default_factory=dict, repr=False)
+    launch_state: LaunchState = field(default_factory=LaunchState, repr=False)
 
     @property
     def mask(self):
@@ -128,81 +144,76 @@ class PreparedPlan:
     def num_tasks(self, batch: int, heads: int) -> int:
         return self.num_q_tiles * batch * heads * self.plan.tasks.num_splits
 
-    def launch_config(self) -> list[int]:
-        """The integers a native launch needs besides the tensors (``ops.sparse_attention_fwd``)."""
+    def launch_config(self) -> LaunchConfig:
+        """The integers a native launch needs besides the tensors."""
         plan = self.plan
-        return [
-            self.num_q_tiles,
-            self.capacity,
-            plan.slots_per_tile,
-            plan.q_unit.bit_length() - 1,
-            plan.kv_unit.bit_length() - 1,
-            plan.tasks.num_splits,
-            int(plan.tasks.persistent),
-        ]
+        return LaunchConfig(self.num_q_tiles, self.capacity, plan.slots_per_tile, plan.q_unit.bit_length() - 1,
+                            plan.kv_unit.bit_length() - 1, plan.tasks.num_splits, int(plan.tasks.persistent))
 
     # ------------------------------------------------------------------ deferred compaction
     def defer_compaction(self) -> None:
         """Queue a read of the longest tile list behind the metadata's writes (device -> pinned
-        host memory, an event after it) so that ``settle`` can trim ``cap`` later without a sync."""
-        self.compaction.at_first_launch = False
+        host memory, an event after it) so that ``compacted`` can trim ``cap`` later without a sync."""
+        launch = self.launch_state
+        launch.compact_after_first_launch = False
         longest = self.tile_counts.amax() if self.tile_counts.numel() else self.tile_counts.new_zeros(())
         if longest.device.type != "cuda":
-            self.compaction.pending = (longest, None, None)
+            launch.pending = (longest, None, None)
             return
         host = torch.empty((), dtype=longest.dtype, pin_memory=True)
         host.copy_(longest, non_blocking=True)
         stream = torch.cuda.current_stream(longest.device)
         event = torch.cuda.Event()
         event.record(stream)
-        self.compaction.pending = (host, event, stream)
+        launch.pending = (host, event, stream)
 
-    def settle(self) -> bool:
-        """Trim the metadata to ``cap`` = the longest tile list once its deferred read has landed:
-        the same tensors ``compact=True`` gives, bit for bit (what lies past a tile list is
-        padding). Never blocks: False while the read is in flight, on another stream than the one
-        the metadata was written on, during CUDA-graph capture, or for a plan that was launched
-        under capture or ``torch.compile`` (``pin``: its pointers must stay valid)."""
-        pending = self.compaction.pending
-        if pending is None or self.compaction.pinned:
-            return False
-        longest, event, stream = pending
+    def compacted(self) -> PreparedPlan | None:
+        """This plan with its metadata trimmed to ``cap`` = the longest tile list, once the deferred
+        read of that length has landed: the tensors ``compact=True`` gives, bit for bit (what lies
+        past a tile list is padding). None where there is nothing to trim, and without blocking
+        while the read is in flight, on another stream than the one the metadata was written on,
+        during CUDA-graph capture, or for a plan launched under capture or ``torch.compile``
+        (``pin``: its pointers must stay valid)."""
+        launch = self.launch_state
+        if launch.pending is None or launch.pinned:
+            return None
+        longest, event, stream = launch.pending
         if event is not None and (
             torch.cuda.is_current_stream_capturing()
             or torch.cuda.current_stream(stream.device) != stream
             or not event.query()
         ):
-            return False
-        self.compaction.pending = None
+            return None
+        launch.pending = None
         cap = max(1, int(longest))
         if cap >= self.capacity:
-            return True
-        # New allocations (the old metadata is one buffer that the views below would keep alive);
-        # freed buffers return to the caching allocator in stream order, after the kernels that read them.
-        object.__setattr__(self, "tile_slots", self.tile_slots[..., :cap, :].contiguous())
-        object.__setattr__(self, "tile_member", self.tile_member[..., :cap].contiguous())
-        object.__setattr__(self, "tile_counts", self.tile_counts.clone())
-        object.__setattr__(self, "q_order", self.q_order.clone())
-        object.__setattr__(self, "capacity", cap)
-        self.launch_templates.clear()
-        return True
+            return None
+        # New allocations (the old metadata is one buffer that views would keep alive); the old
+        # buffers return to the caching allocator in stream order, after the kernels that read them.
+        return replace(self, capacity=cap, tile_slots=self.tile_slots[..., :cap, :].contiguous(),
+                       tile_member=self.tile_member[..., :cap].contiguous(), tile_counts=self.tile_counts.clone(),
+                       q_order=self.q_order.clone(), launch_state=LaunchState())
 
     def pin(self) -> None:
-        """Keep the metadata tensors as they are for good (``settle`` does nothing): a CUDA graph or
-        a compiled graph has their pointers."""
-        self.compaction.pinned = True
-        self.compaction.at_first_launch = False
+        """Keep this plan's metadata for good (``compacted`` gives nothing): a CUDA graph or a
+        compiled graph has their pointers."""
+        self.launch_state.pinned = True
+        self.launch_state.compact_after_first_launch = False
 
     def after_launch(self) -> None:
         """Called by a launcher after the plan's kernel is queued: a compaction ``prepare`` deferred
         starts here (its host ops overlap the kernel instead of delaying its launch)."""
-        if self.compaction.at_first_launch:
+        if self.launch_state.compact_after_first_launch:
             self.defer_compaction()
 
     @property
+    def pinned(self) -> bool:
+        return self.launch_state.pinned
+
+    @property
     def compaction_pending(self) -> bool:
-        c = self.compaction
-        return (c.pending is not None or c.at_first_launch) and not c.pinned
+        launch = self.launch_state
+        return (launch.pending is not None or launch.compact_after_first_launch) and not launch.pinned
 
     def computed_fraction(self) -> torch.Tensor:
         """Scheduled tile area over the full (Sq x Skv) grid, per mask (b, h): the work the plan

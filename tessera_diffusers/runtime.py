@@ -105,7 +105,9 @@ def blocks_version(mask: LogicalMask) -> int | None:
 
 @dataclass
 class Runtime:
-    """Prepared-plan cache and selection front end (one per pipeline or processor).
+    """The owner of prepared plans: selection, preparation, the one cache of prepared plans and
+    what happens to a plan when its mask comes back (one per pipeline, or per layer in the
+    diffusers processors).
 
     An exact repeat of a request — the same mask object, unchanged, and the same shapes — skips
     selection and preparation; a mask whose ``blocks`` were written in place since is prepared
@@ -114,7 +116,8 @@ class Runtime:
     goes through ``selector`` (plan table regime lookup, or the cost model), whose own cache skips
     the ranking scan for a regime it has seen. A mask that comes back is re-prepared once in the
     plan ``Selector.reused_plan`` names (the grouped query layout of small query blocks on Hopper:
-    its grouping, 0.2-0.3 ms once per mask at 32k tokens, is paid back by the calls after).
+    its grouping, 0.2-0.3 ms once per mask at 32k tokens, is paid back by the calls after), and a
+    worst-case plan takes its compact metadata once the count has reached the host (``reuse``).
 
     Safe to share between threads: the cache and the selection run under one lock (the launches
     do not)."""
@@ -125,6 +128,7 @@ class Runtime:
     hits: int = 0
     misses: int = 0
     regroupings: int = 0  # masks re-prepared in another plan (the grouped query layout) when they came back
+    reused_selections: int = 0  # misses whose selection ran no ranking scan and read no statistics
     selector: Selector = field(default_factory=Selector)
     # Prepared plans whose reuse plan is decided (Runtime.regrouped): nothing to decide again.
     _reuse_decided: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
@@ -140,31 +144,45 @@ class Runtime:
         self._lock = threading.RLock()
 
     def prepared_for(self, mask: LogicalMask, request: Request, plan: PhysicalPlan | None) -> PreparedPlan | None:
-        """The cached or newly prepared plan for ``(mask, request)``; None means the reference oracle."""
+        """The plan to run for ``(mask, request)``; None means the reference oracle. A miss selects
+        and prepares; a hit returns the kept plan as ``reuse`` leaves it."""
         key = (id(mask), request, plan)
         version = blocks_version(mask)
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None and entry.mask() is mask and entry.version == version:
                 self.hits += 1
-                prepared = entry.prepared
-                if prepared is not None:
-                    prepared.settle()  # a worst-case plan takes its compact size once the count is on the host
-                    if plan is None:  # the plan of a reused mask (decided once)
-                        reused = self.regrouped(prepared, request)
-                        if reused is not prepared:
-                            self._cache[key] = entry._replace(prepared=reused)
-                            prepared = reused
+                if entry.prepared is None:
+                    return None
+                prepared = self.reuse(entry.prepared, request, decide_plan=plan is None)
+                if prepared is not entry.prepared:
+                    self._cache[key] = entry._replace(prepared=prepared)
                 return prepared
             self.misses += 1
             # The state holds a view of the mask (same blocks tensor), so the cache keeps the user's
             # mask object alive no longer than the user does.
             state = build_mask_state(dataclasses.replace(mask))
+            scans = self.selector.scans
             prepared = self.plan_request(state, request, plan)
+            if plan is None and self.selector.scans == scans and not state.statistics_read:
+                self.reused_selections += 1
             while len(self._cache) >= self.max_entries:
                 self._cache.pop(next(iter(self._cache)), None)
             self._cache[key] = CacheEntry(weakref.ref(mask, self._forget(key)), version, prepared)
             return prepared
+
+    def reuse(self, prepared: PreparedPlan, request: Request, decide_plan: bool = True) -> PreparedPlan:
+        """The plan a mask that came back runs: ``prepared`` trimmed to its compact metadata once
+        the deferred count has reached the host (``PreparedPlan.compacted``), then, unless the plan
+        was forced (``decide_plan`` False), re-prepared in the plan ``Selector.reused_plan`` names
+        (``regrouped``). A new object where either applies, to be kept instead of ``prepared``."""
+        with self._lock:
+            compact = prepared.compacted()
+            if compact is not None:
+                if prepared in self._reuse_decided:
+                    self._reuse_decided.add(compact)
+                prepared = compact
+            return self.regrouped(prepared, request) if decide_plan else prepared
 
     def _forget(self, key: tuple) -> Callable[[weakref.ref], None]:
         """The callback that drops entry ``key`` when its mask dies (in whichever thread drops the
@@ -182,10 +200,9 @@ class Runtime:
         back (the grouped query layout, or another natural plan); as is where that is the same plan,
         where its tensors must stay (a CUDA graph or a compiled graph holds them:
         ``PreparedPlan.pin``) and while a capture or compilation is under way. Decided once per
-        prepared plan: later calls return it at once. Every cache of prepared plans calls it when it
-        reuses one (this Runtime's, and the diffusers processors' step cache)."""
+        prepared plan: later calls return it at once."""
         with self._lock:
-            if prepared in self._reuse_decided or prepared.compaction.pinned or tracing_or_capturing():
+            if prepared in self._reuse_decided or prepared.pinned or tracing_or_capturing():
                 return prepared
             plan = self.selector.reused_plan(prepared.plan, request, prepared.state, warn=self._warn_once)
             if plan != prepared.plan:

@@ -152,7 +152,7 @@ def test_dynamic_schedule_equals_static(density):
     q, k, v = random_qkv(2, 5000, 4100, 3, 128, torch.bfloat16, device, seed=11)
     op_out, op_lse = torch.ops.tessera.sparse_attention_fwd(
         q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
-        kernel.name, prepared.launch_config(), 0.09)
+        kernel.name, list(prepared.launch_config()), 0.09)
     assert check_against_reference(op_out, op_lse, q, k, v, mask, 0.09).ok()
     for _ in range(3):
         out, lse = ops.run_direct(prepared, q, k, v, 0.09, True)
@@ -245,7 +245,7 @@ def test_direct_launch_equals_the_custom_op(splits):
         direct_out, direct_lse = ops.run_direct(prepared, q, k, v, 0.09, True)
         op_out, op_lse = torch.ops.tessera.sparse_attention_fwd(
             q, k, v, prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order,
-            kernel.name, prepared.launch_config(), 0.09)
+            kernel.name, list(prepared.launch_config()), 0.09)
         assert torch.equal(direct_out, op_out) and torch.equal(direct_lse, op_lse)
         assert torch.equal(ops.run_direct(prepared, q, k, v, 0.09, False), op_out)
-    assert len(prepared.launch_templates) == 1
+    assert len(prepared.launch_state.templates) == 1

@@ -286,10 +286,10 @@ def native_plan_like(plan: PhysicalPlan) -> PhysicalPlan:
     return PhysicalPlan(plan.block_q, plan.block_kv, plan.kv_layout, plan.tasks, kernel)
 
 
-def test_auto_prepare_defers_compaction_and_settles_on_reuse(monkeypatch):
+def test_auto_prepare_defers_compaction_and_compacts_on_reuse(monkeypatch):
     """Between DEFERRED_COMPACTION_BYTES and SYNC_FREE_METADATA_BYTES of worst case, ``prepare``
-    writes the worst case without a sync; the plan takes the compact metadata (bit for bit) at a
-    reuse once the count is on the host, and the Runtime's output does not change."""
+    writes the worst case without a sync; at a reuse once the count is on the host the Runtime
+    keeps the compact copy (bit for bit ``compact=True``) instead, and the output does not change."""
     from tessera_diffusers import Runtime
     from tessera_diffusers.selector import GROUP_QUERIES_ENV
 
@@ -306,11 +306,12 @@ def test_auto_prepare_defers_compaction_and_settles_on_reuse(monkeypatch):
     prepared = prepare(plan, state)
     assert prepared.compaction_pending and prepared.capacity == 16384 // 64
     torch.cuda.synchronize()
-    assert not prepared.settle()  # the count's read is queued by the first launch
+    assert prepared.compacted() is None  # the count's read is queued by the first launch
     prepared.after_launch()
     torch.cuda.synchronize()
-    assert prepared.settle() and not prepared.compaction_pending
-    assert metadata_difference(prepared, prepare(plan, state, compact=True)) is None
+    trimmed = prepared.compacted()
+    assert trimmed is not None and not prepared.compaction_pending and not trimmed.compaction_pending
+    assert metadata_difference(trimmed, prepare(plan, state, compact=True)) is None
 
     # The Runtime and the processors' backend with a native 64 x 64 plan forced: whichever plan the
     # shipped table picks for this mask, this one's worst case lies in the deferred band.
@@ -325,14 +326,15 @@ def test_auto_prepare_defers_compaction_and_settles_on_reuse(monkeypatch):
     q, k, v = (torch.randn(1, 16384, 24, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
     first = runtime.attention(q, k, v, mask)
     (entry,) = runtime._cache.values()
-    kept = entry.prepared
+    worst = entry.prepared
     torch.cuda.synchronize()
-    was_pending, worst_cap = kept.compaction_pending, kept.capacity
-    second = runtime.attention(q, k, v, mask)  # a hit: settles
-    assert was_pending and not kept.compaction_pending and kept.capacity < worst_cap
+    was_pending = worst.compaction_pending
+    second = runtime.attention(q, k, v, mask)  # a hit: the compact copy replaces the worst case
+    (entry,) = runtime._cache.values()
+    assert was_pending and entry.prepared.capacity < worst.capacity and not entry.prepared.compaction_pending
     assert torch.equal(first, second)
 
-    # The processors' backend keeps its plans in a step cache, whose byte count follows the trim.
+    # The processors' backend keeps its plans in its Runtime; the step cache's byte count follows the trim.
     from tessera_diffusers.processors.backends import TesseraBackend
     from tessera_diffusers.processors.plan_cache import StepCache
 
@@ -348,4 +350,4 @@ def test_auto_prepare_defers_compaction_and_settles_on_reuse(monkeypatch):
     captured.pin()
     slots = captured.tile_slots
     torch.cuda.synchronize()
-    assert not captured.settle() and captured.tile_slots is slots
+    assert captured.compacted() is None and captured.tile_slots is slots

@@ -79,9 +79,9 @@ def mismatches():
     yield "k/v shapes", prepared, (q, k, v[:, :512]), None
     yield "v dtype", prepared, (q, k, v.half()), None
     config = prepared.launch_config()
-    yield "slots", prepared, (q, k, v), [config[0], config[1], 64, config[3], 1] + config[5:]
-    yield "capacity", prepared, (q, k, v), [config[0], config[1] + 3] + config[2:]
-    yield "query tiles", prepared, (q, k, v), [config[0] + 1] + config[1:]
+    yield "slots", prepared, (q, k, v), list(config._replace(slots=64, kv_unit_log2=1))
+    yield "capacity", prepared, (q, k, v), list(config._replace(capacity=config.capacity + 3))
+    yield "query tiles", prepared, (q, k, v), list(config._replace(num_q_tiles=config.num_q_tiles + 1))
 
 
 @pytest.mark.parametrize("name", MISMATCHES)

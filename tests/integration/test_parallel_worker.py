@@ -183,7 +183,7 @@ def case_wan(rank: int, world: int) -> dict:
     from tessera_diffusers.processors.tiny import tiny_wan_transformer
 
     diffusers_logging.set_verbosity_error()
-    heads, steps = 2, 3  # a static mask object is kept from its first repeat on: step 2 reuses its plans
+    heads, steps = 2, 3  # a static mask object lives on: its plans are prepared at step 0, reused after
     report: dict = {"rank": rank}
     dense = forwards(tiny_wan_transformer(), 1)[0]  # stock processors, one process
     for order in ("attach_first", "parallel_first"):

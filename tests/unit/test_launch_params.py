@@ -43,7 +43,7 @@ def test_direct_launch_fills_every_field(launches, splits):
             [list(t.stride()[:3]) for t in (q, k, v, out)]
         assert (p.batch, p.heads, p.seq_q, p.seq_kv, p.mask_batch, p.mask_heads) == (2, 3, 300, 500, 2, 1)
         assert [p.num_q_tiles, p.capacity, p.slots, p.q_unit_log2, p.kv_unit_log2, p.num_splits] == \
-            prepared.launch_config()[:6]
+            list(prepared.launch_config())[:6]
         assert (p.tile_counts, p.tile_slots, p.tile_member, p.q_order) == tuple(
             t.data_ptr() for t in (prepared.tile_counts, prepared.tile_slots, prepared.tile_member, prepared.q_order))
         assert p.grid_size == 0 and p.scale_log2 == pytest.approx(0.125 * ops.LOG2E)
@@ -54,7 +54,7 @@ def test_direct_launch_fills_every_field(launches, splits):
             assert (m.o_partial, m.lse_partial, m.o, m.lse) == (p.o_partial, p.lse_partial, p.o, p.lse) and p.o_partial
             assert (m.batch, m.heads, m.seq_q, m.head_dim, m.num_splits, m.dtype) == (2, 3, 300, 64, splits, 0)
             assert list(m.o_stride) == list(out.stride()[:3])
-    assert len(prepared.launch_templates) == 1  # the second call reused the template
+    assert len(prepared.launch_state.templates) == 1  # the second call reused the template
     out = ops.run_direct(prepared, q, k, v, 0.125, False)
     assert not launches[-1][1].lse and launches[-1][1].o == out.data_ptr()
 

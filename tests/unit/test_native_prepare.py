@@ -10,6 +10,7 @@ kernels themselves on a GPU."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -499,9 +500,10 @@ def test_default_compaction_policy():
     assert prepare(plan, state).capacity == prepare(plan, state, compact=True).capacity < cap
 
 
-def test_deferred_compaction_settles_to_the_compact_metadata():
-    """A worst-case plan trimmed by ``settle`` equals ``compact=True`` bit for bit, runs the same,
-    and a pinned plan (captured / compiled) keeps its tensors."""
+def test_deferred_compaction_gives_the_compact_metadata():
+    """The trimmed copy of a worst-case plan (``compacted``) equals ``compact=True`` bit for bit and
+    runs the same; the worst case itself is left as it was, and a pinned plan (captured / compiled)
+    gives no copy."""
     from tessera_diffusers.catalog import reference_kernel
     from tessera_diffusers.executor import run_prepared
     from tessera_diffusers.prepare import prepare_torch
@@ -514,19 +516,57 @@ def test_deferred_compaction_settles_to_the_compact_metadata():
         compact = prepare_torch(plan, state, compact=True)
         worst = prepare_torch(plan, state, compact=False)
         assert worst.capacity > compact.capacity and not worst.compaction_pending
-        assert not worst.settle()  # nothing deferred
+        assert worst.compacted() is None  # nothing deferred
         worst.defer_compaction()
         assert worst.compaction_pending
         q, k, v = (torch.randn(2, n, 3, 16, generator=torch.Generator().manual_seed(i)) for i, n in
                    enumerate((1000, 1100, 1100)))
         before = run_prepared(worst, q, k, v, 0.25)
-        assert worst.settle() and not worst.compaction_pending and not worst.settle()
-        assert worst.capacity == compact.capacity
-        assert metadata_difference(worst, compact) is None, layout
-        assert torch.equal(run_prepared(worst, q, k, v, 0.25), before)
+        slots = worst.tile_slots
+        trimmed = worst.compacted()
+        assert trimmed is not None and not worst.compaction_pending and worst.compacted() is None
+        assert worst.tile_slots is slots and worst.capacity > trimmed.capacity == compact.capacity
+        assert not trimmed.compaction_pending and not trimmed.launch_state.templates
+        assert metadata_difference(trimmed, compact) is None, layout
+        assert torch.equal(run_prepared(trimmed, q, k, v, 0.25), before)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            trimmed.capacity = 1
 
         pinned = prepare_torch(plan, state, compact=False)
         pinned.defer_compaction()
         pinned.pin()
         slots = pinned.tile_slots
-        assert not pinned.compaction_pending and not pinned.settle() and pinned.tile_slots is slots
+        assert not pinned.compaction_pending and pinned.compacted() is None and pinned.tile_slots is slots
+
+
+def test_the_runtime_keeps_the_compact_copy_of_a_reused_worst_case_plan():
+    """``Runtime.reuse`` is the one place a kept plan changes: a hit after the deferred count has
+    landed replaces the cached worst case by its compact copy (the worst case itself untouched),
+    the output unchanged; later hits return that copy as is."""
+    from tessera_diffusers import Runtime
+    from tessera_diffusers.catalog import reference_kernel
+    from tessera_diffusers.prepare import prepare_torch
+    from tessera_diffusers.testing import metadata_difference, random_mask
+
+    mask = random_mask(1, 2, 600, 1400, 64, 32, density=0.03, seed=9)
+    plan = PhysicalPlan(64, 32, KvLayout.CONTIGUOUS, TaskOrganization(), reference_kernel(16, "fp32", 128, 128))
+
+    class WorstCase(Runtime):
+        def plan_request(self, state, request, forced):
+            prepared = prepare_torch(plan, state, compact=False)
+            prepared.defer_compaction()
+            return prepared
+
+    runtime = WorstCase()
+    q, k, v = (torch.randn(1, n, 2, 16, generator=torch.Generator().manual_seed(i)) for i, n in
+               enumerate((600, 1400, 1400)))
+    first = runtime.attention(q, k, v, mask, plan=plan)
+    (key, entry), = runtime._cache.items()
+    worst = entry.prepared
+    assert worst.compaction_pending
+    second = runtime.attention(q, k, v, mask, plan=plan)
+    kept = runtime._cache[key].prepared
+    assert kept is not worst and kept.capacity < worst.capacity and not kept.compaction_pending
+    assert metadata_difference(kept, prepare_torch(plan, build_mask_state(mask), compact=True)) is None
+    assert torch.equal(first, second) and torch.equal(runtime.attention(q, k, v, mask, plan=plan), first)
+    assert runtime._cache[key].prepared is kept and (runtime.hits, runtime.misses) == (2, 1)

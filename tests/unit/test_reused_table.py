@@ -78,9 +78,9 @@ def cpu_mask(seed: int):
 
 
 def step_cache_plans(backend, mask, q, k, v, calls: int = 3) -> list:
-    """The plan the processors' step cache keeps after each of ``calls`` calls of ``mask`` through
-    ``backend`` (``TesseraBackend``), each output checked against the oracle and the slot's bytes
-    against its plan's."""
+    """The plan the processors' backend keeps for ``mask`` (in its ``Runtime``) after each of
+    ``calls`` calls through ``backend`` (``TesseraBackend``), each output checked against the
+    oracle and the step cache slot's bytes against the kept plan's."""
     from tessera_diffusers.processors.plan_cache import StepCache, tensor_nbytes
 
     cache = StepCache()
@@ -88,11 +88,13 @@ def step_cache_plans(backend, mask, q, k, v, calls: int = 3) -> list:
     plans = []
     for _ in range(calls):
         out = backend.attention(q, k, v, mask, slot=slot, cache=cache)
-        (kept,) = slot.plans.values()
+        (entry,) = backend.runtime_for(slot.key)._cache.values()
+        kept = entry.prepared
         plans.append(kept.plan)
-        assert slot.plan_bytes == tensor_nbytes(kept)
+        ((ref, nbytes),) = slot.tracked.values()
+        assert ref() is kept and slot.plan_bytes == nbytes == tensor_nbytes(kept)
         assert check_against_reference(out, None, q, k, v, mask).ok()
-    assert cache.stats.plan_builds == 1
+    assert cache.stats.plan_builds == 1 and cache.stats.plan_reuses == calls - 1
     return plans
 
 
@@ -235,9 +237,9 @@ def test_explain_cli_names_the_plan_of_a_mask_that_comes_back(capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("(the rule)")
 
 
-def test_processors_step_cache_regroups_a_reused_mask(monkeypatch):
-    """The diffusers processors keep plans in their step cache, not the Runtime's: a reused mask's
-    plan is re-prepared there too (once), its bytes accounted, outputs equal to the oracle."""
+def test_processors_backend_regroups_a_reused_mask(monkeypatch):
+    """The diffusers processors' backend keeps plans in its Runtime: a reused mask's plan is
+    re-prepared once, the step cache counts its bytes, outputs equal to the oracle."""
     from tessera_diffusers.processors.backends import TesseraBackend
 
     monkeypatch.setenv(GROUP_QUERIES_ENV, "1")

@@ -105,15 +105,13 @@ def mismatched_calls():
     yield "longer keys", prepared, (q, longer[1], longer[2]), meta, config
     yield "k and v of other shapes", prepared, (q, k, v[:, :128]), meta, config
     yield "v of another dtype", prepared, (q, k, v.half()), meta, config
-    slots = list(config)
-    slots[2], slots[4] = 64, 1  # 64 slots of 2 tokens: past the kernel's slot array
-    yield "more slots than the kernel holds", None, (q, k, v), meta, slots
-    capacity = list(config)
-    capacity[1] += 3
-    yield "a capacity the metadata do not have", None, (q, k, v), meta, capacity
-    tiles = list(config)
-    tiles[0] += 1
-    yield "more query tiles than Sq makes", None, (q, k, v), meta, tiles
+    # 64 slots of 2 tokens: past the kernel's slot array
+    yield "more slots than the kernel holds", None, (q, k, v), meta, list(config._replace(slots=64, kv_unit_log2=1))
+    yield ("a capacity the metadata do not have", None, (q, k, v), meta,
+           list(config._replace(capacity=config.capacity + 3)))
+    yield ("more query tiles than Sq makes", None, (q, k, v), meta,
+           list(config._replace(num_q_tiles=config.num_q_tiles + 1)))
+    yield "a config of six ints", None, (q, k, v), meta, list(config)[:6]
 
 
 @pytest.mark.parametrize("case", list(mismatched_calls()), ids=lambda c: c[0])
