@@ -36,13 +36,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from tessera_diffusers.errors import InvalidArgumentError, describe_tensor
-from tessera_diffusers.sparsifiers.base import LatentGrid
+from tessera_diffusers.mask import LogicalMask
+from tessera_diffusers.parallel import Ulysses
+from tessera_diffusers.sparsifiers.base import LatentGrid, Sparsifier
+from tessera_diffusers.sparsifiers.layout import TileLayout
 
+from .backends import SparseAttentionBackend
 from .compat import (
     VIDEO_TRANSFORMERS,
     BaseState,
@@ -52,11 +56,7 @@ from .compat import (
     cache_context_of,
     registry_module,
 )
-
-# processor.py's TesseraProcessor as the modules it imports annotate it (the hooks here and the
-# routes of wan.py, hunyuan_video15.py and ulysses.py): it hands itself to them, and they name it so
-# without importing processor.py back.
-ProcessorLike = Any
+from .plan_cache import CacheSlot, StepCache
 
 HOOK_NAME = "tessera_context"
 
@@ -84,6 +84,49 @@ class ForwardContext:
     grid: LatentGrid | None
     step: int
     branch: str
+
+
+class ProcessorLike(Protocol):
+    """What the hooks here and the routes of wan.py, hunyuan_video15.py and ulysses.py use of the
+    processor that hands itself to them (``processor.TesseraProcessor``, named so that they need
+    not import processor.py back)."""
+
+    backend: SparseAttentionBackend
+    cache: StepCache
+    branches: int
+    ulysses: Ulysses | None
+
+    def begin_forward(self, context: ForwardContext) -> None: ...
+
+    def end_forward(self) -> None: ...
+
+    def new_run(self, model: int | None = None) -> None: ...
+
+    def run_ended(self, transformer: torch.nn.Module | None) -> None: ...
+
+    def sparsifier_for(self, route: ModuleRoute | Route) -> Sparsifier: ...
+
+    def layout_for(self, route: ModuleRoute, grid: LatentGrid | None, seq_video: int) -> TileLayout: ...
+
+    def rotary_in_layout(self, rotary: tuple[torch.Tensor, torch.Tensor], layout: TileLayout, token_dim: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def text_keys_for(self, attention_mask: torch.Tensor | None, batch: int, seq_text: int) -> Any: ...
+
+    def video_mask(self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, q: torch.Tensor,
+                   k: torch.Tensor) -> tuple[LogicalMask | None, CacheSlot]: ...
+
+    def kept_video_slot(self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, batch: int, heads: int,
+                        device: torch.device | str) -> CacheSlot | None: ...
+
+    def sparsify(self, route: ModuleRoute, call: ForwardContext, layout: TileLayout, q: torch.Tensor,
+                 k: torch.Tensor, rank_heads: int | None = None) -> LogicalMask | None: ...
+
+    def keep_video_mask(self, route: ModuleRoute, call: ForwardContext, layout: TileLayout,
+                        mask: LogicalMask | None, batch: int, heads: int, device: torch.device | str
+                        ) -> tuple[LogicalMask | None, CacheSlot]: ...
+
+    def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 class HookState(BaseState):
