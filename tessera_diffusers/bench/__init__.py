@@ -10,7 +10,7 @@ Programmatic use::
 
 Modules: ``config`` (what a run measures), ``problem`` (inputs and the oracle check), ``timing``
 (CUDA events / host clock), ``backends`` (dense SDPA, FlexAttention, oracle), ``flashinfer_backends``
-(isolated), ``tessera_backends`` (selected plan, forced plans), ``harness`` (the loop), ``metrics``
+and ``thunderkittens_backends`` (VSA, flex-block-attn; isolated), ``tessera_backends`` (selected plan, forced plans), ``harness`` (the loop), ``metrics``
 (aggregates), ``report`` (JSON, markdown, plots), ``cli`` (``add_arguments`` / ``run``).
 """
 

@@ -41,10 +41,10 @@ from .report import environment, write_reports
 
 DESCRIPTION = """\
 Measure Tessera beside dense attention (cuDNN and FlashAttention-2 SDPA) and sparse baselines
-(FlexAttention, FlashInfer) on masks of the corpus: each case is checked against the exact
-masked-attention oracle, then timed. Writes to --out: records.jsonl (as it goes; --resume continues
-from it), results.json, results.md and plots. Exit status 1 when a Tessera output failed its
-oracle check, else 0.
+(FlexAttention, FlashInfer, and where built FastVideo's VSA and flex-block-attn) on masks of the
+corpus: each case is checked against the exact masked-attention oracle, then timed. Writes to
+--out: records.jsonl (as it goes; --resume continues from it), results.json, results.md and plots.
+Exit status 1 when a Tessera output failed its oracle check, else 0.
 
 Time: the default subset takes under 8 minutes on one H200, --full (the whole evaluation split)
 hours, --smoke (a tiny configuration of the oracle and the PyTorch executor on the CPU) about 20 s.

@@ -85,22 +85,29 @@ BASELINE_NAMES: tuple[str, ...] = (
     "flashinfer-bsr-fa3",
     "flashinfer-var-fa2",
     "flashinfer-var-fa3",
+    "vsa",
+    "flex-block-attn",
     "reference",
 )
 TESSERA_NAMES: tuple[str, ...] = ("tessera", "tessera-plans")
 BACKEND_NAMES: tuple[str, ...] = BASELINE_NAMES + TESSERA_NAMES
 FLASHINFER_NAMES: tuple[str, ...] = tuple(n for n in BASELINE_NAMES if n.startswith("flashinfer"))
+# The ThunderKittens peers (bench/thunderkittens_backends.py): built on the GPU machine, not on PyPI.
+THUNDERKITTENS_NAMES: tuple[str, ...] = ("vsa", "flex-block-attn")
 
 
 def default_backends(mode: str, device_type: str) -> tuple[str, ...]:
     """Backends a run measures unless told otherwise: on CUDA, bench mode = Tessera's selected plan
-    beside every baseline; kernels mode = every eligible catalog plan beside dense SDPA and
-    FlexAttention (add FlashInfer with ``--backends``); on a CPU, the oracle and the executor."""
+    beside every baseline (the ThunderKittens peers only where installed); kernels mode = every
+    eligible catalog plan beside dense SDPA and FlexAttention (add FlashInfer or the peers with
+    ``--backends``); on a CPU, the oracle and the executor."""
     if device_type != "cuda":
         return ("reference", "tessera", "tessera-plans")
     if mode == "kernels":
         return ("sdpa-cudnn", "sdpa-fa2", "flex", "tessera", "tessera-plans")
-    return ("sdpa-cudnn", "sdpa-fa2", "flex", "tessera") + FLASHINFER_NAMES
+    from .thunderkittens_backends import installed_peers
+
+    return ("sdpa-cudnn", "sdpa-fa2", "flex", "tessera") + FLASHINFER_NAMES + installed_peers()
 
 
 @dataclass(frozen=True)

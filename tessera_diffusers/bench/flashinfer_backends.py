@@ -1,6 +1,7 @@
 """FlashInfer block-sparse baselines, isolated: nothing here runs unless ``flashinfer`` imports.
 
-Written against FlashInfer 0.3.1 (``flashinfer/sparse.py`` at tag v0.3.1):
+Written against FlashInfer 0.7.4 (``flashinfer/sparse.py`` of the 0.7.4 wheel); 0.3.1 (tag v0.3.1)
+still works, and where the two differ it is said below and read off the wrapper, not the version:
 
 - ``BlockSparseAttentionWrapper(workspace, backend)``: one BSR pattern for all heads of a call, so
   per-head masks are *folded into rows*: every ``(batch, head)`` becomes its own band of query rows
@@ -8,22 +9,33 @@ Written against FlashInfer 0.3.1 (``flashinfer/sparse.py`` at tag v0.3.1):
   BSR has ``B*H*nQ`` block rows. ``plan(indptr, indices, M, N, R, C, num_qo_heads, num_kv_heads,
   head_dim, ...)`` then ``run(q, k, v)``. Keys must fill whole blocks (``N // C``), so a partial last
   block (a sequence that is not a multiple of the block sizes) cannot be expressed exactly:
-  reported as unsupported.
+  reported as unsupported. The KV side is a paged cache with page size ``C`` and the BSR's block
+  indices as page indices. With ``fa3``, 0.3.1 expands those block indices into one int32 offset
+  per key token inside every ``run()`` (``block_sparse_indices_to_vector_sparse_offsets`` into
+  fixed ``_vector_sparse_*`` buffers); 0.7.4 hands the page indices to the SM90 paged kernel as
+  they are (no per-token list, no such buffers).
 - ``VariableBlockSparseAttentionWrapper(workspace, backend)``: a mask per KV head,
   ``plan(block_mask_map [H, MB, NB], block_row_sz [H, MB], block_col_sz [H, NB], num_qo_heads,
   num_kv_heads, head_dim, ...)`` then ``run(q [H, S, D], k, v)``; block sizes are free, so partial
-  last blocks are exact. One batch element per call; q, k, v are handed over contiguous in
-  ``(H, S, D)`` (the copy is part of the complete request, not of the kernel).
+  last blocks are exact. Pages of one token, on both versions: ``plan()`` lists every selected key
+  token (int32), so that list must fit int32. The output dtype is the query's. One batch element
+  per call; q, k, v are handed over contiguous in ``(H, S, D)`` (the copy is part of the complete
+  request, not of the kernel). 0.7.4's ``plan()`` synchronizes the device.
 
-Both take ``backend="fa2"`` or ``"fa3"`` (Hopper). Internal buffers sized for LLM serving (32,768
-rows; 128M vector-sparse indices) are grown when a video problem needs more; that is noted in the
-results. Each variant's ``plan()`` (with its host syncs and copies) is part of its complete-request
-latency; the fold (a copy of q, k, v into the folded layout) is too, but not of its kernel latency.
+Both take ``backend="fa2"`` or ``"fa3"`` (Hopper; 0.7.4 also has ``"auto"``, ``"cake"`` and
+sm100/sm120 VSA backends, not used here). Each ``(dtype, head_dim)`` is a JIT module built with nvcc
+on first use (0.7.4: ``fa2`` one module, ``fa3`` one ``..._sm90`` module; BSR and variable wrappers
+share them). Internal buffers sized for LLM serving (32,768 rows in ``_kv_lens_buffer``, 8 MiB of
+int workspace; on 0.3.1 also 128M vector-sparse indices) are grown when a video problem needs more
+(0.7.4 grows ``_kv_lens_buffer`` itself); that is noted in the results. Each variant's ``plan()``
+(with its host syncs and copies) is part of its complete-request latency; the fold (a copy of q, k,
+v into the folded layout) is too, but not of its kernel latency.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -49,10 +61,20 @@ def import_flashinfer() -> tuple[Any, str | None]:
 
 
 def flashinfer_version() -> str | None:
+    """The version of the ``flashinfer`` that imports (its ``__version__``, else the installed
+    distribution's), or None when it does not import."""
     module, _ = import_flashinfer()
     if module is None:
         return None
-    return str(getattr(module, "__version__", "unknown"))
+    version = getattr(module, "__version__", None)
+    if version:
+        return str(version)
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("flashinfer-python")
+    except Exception:  # noqa: BLE001  (not installed as a distribution, e.g. a bare PYTHONPATH copy)
+        return "unknown"
 
 
 def call_with_supported(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -81,6 +103,17 @@ def folded_bsr(blocks: torch.Tensor, batch: int, heads: int) -> tuple[torch.Tens
     return indptr, indices
 
 
+def bsr_plan_args(problem: Problem) -> tuple:
+    """The positional arguments of ``BlockSparseAttentionWrapper.plan`` for the head-folded problem:
+    ``(indptr, indices, M, N, R, C, num_qo_heads=1, num_kv_heads=1, head_dim)`` with
+    ``M = B*H*Sq`` query rows and ``N = B*H*Skv`` keys (whole blocks: see ``unsupported``)."""
+    mask = problem.mask
+    indptr, indices = folded_bsr(mask.blocks, problem.batch, problem.heads)
+    bh = problem.batch * problem.heads
+    return (indptr, indices, bh * problem.seq_q, bh * problem.seq_kv, mask.block_q, mask.block_kv, 1, 1,
+            problem.head_dim)
+
+
 def variable_block_sizes(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``block_mask_map [H, nQ, nKV]`` bool, ``block_row_sz [H, nQ]``, ``block_col_sz [H, nKV]``
     int32 (last block partial) of a batch-1 problem."""
@@ -101,8 +134,11 @@ def gathered_key_tokens(problem: Problem) -> int:
 
 
 def plan_growing_workspace(backend: FlashInferBase, plan: Callable[[], None]) -> None:
-    """Call ``plan()``; when FlashInfer reports its int workspace too small (it is sized for LLM
-    batches), quadruple it and retry, a few times at most."""
+    """Call ``plan()``; when FlashInfer reports a workspace too small (they are sized for LLM
+    batches), quadruple that workspace and retry, a few times at most. The scheduler's message
+    ("Buffer overflow when allocating memory for <name> ...") names the allocation: the split-KV
+    partial outputs (``..._tmp_v``, ``..._tmp_s``) live in the float workspace, the rest of the plan
+    in the int workspace."""
     for attempt in range(MAX_WORKSPACE_GROWTH + 1):
         try:
             plan()
@@ -111,7 +147,16 @@ def plan_growing_workspace(backend: FlashInferBase, plan: Callable[[], None]) ->
             text = str(err).lower()
             if attempt == MAX_WORKSPACE_GROWTH or ("workspace" not in text and "buffer" not in text):
                 raise
-            backend.grow_int_workspace()
+            if workspace_of_overflow(text) == "float":
+                backend.grow_float_workspace()
+            else:
+                backend.grow_int_workspace()
+
+
+def workspace_of_overflow(message: str) -> str:
+    """``"float"`` when FlashInfer's overflow message names a split-KV partial-output buffer
+    (``tmp_v`` / ``tmp_s``, carved from the float workspace), else ``"int"``."""
+    return "float" if re.search(r"allocating memory for \S*tmp_[vs]\b", message.lower()) else "int"
 
 
 def grow_int_buffer(owner: Any, attribute: str, needed: int, device: torch.device, notes: list[str]) -> None:
@@ -164,11 +209,16 @@ class FlashInferBase(Backend):
 
     def token_indexed(self) -> bool:
         """Whether this variant expands block lists into one int32 entry per key token."""
-        return self.backend == "fa3"
+        return self.vector_sparse()
+
+    def vector_sparse(self) -> bool:
+        """Whether the wrapper expands block indices into per-token offsets in fixed buffers
+        (FlashInfer 0.3.1 with ``fa3``; 0.7.4 has no such buffers)."""
+        return self.backend == "fa3" and getattr(self._wrapper, "_vector_sparse_indices_buffer", None) is not None
 
     def grow_vector_sparse(self, indptr_entries: int, index_entries: int, device: torch.device) -> None:
-        """The fa3 path expands block indices to token offsets in fixed buffers; grow them."""
-        if self.backend != "fa3":
+        """Grow the fixed token-offset buffers of the vector-sparse path (0.3.1 ``fa3``) to fit."""
+        if not self.vector_sparse():
             return
         w = self._wrapper
         indices_buf = getattr(w, "_vector_sparse_indices_buffer", None)
@@ -195,6 +245,14 @@ class FlashInferBase(Backend):
         bigger = torch.empty(4 * current.numel(), dtype=current.dtype, device=current.device)
         w.reset_workspace_buffer(w._float_workspace_buffer, bigger)
         self.notes.append(f"grew the int workspace to {bigger.numel() >> 20} MiB")
+
+    def grow_float_workspace(self) -> None:
+        """Quadruple the wrapper's float workspace (split-KV partial outputs) through its public reset call."""
+        w = self._wrapper
+        current = w._float_workspace_buffer
+        bigger = torch.empty(4 * current.numel(), dtype=current.dtype, device=current.device)
+        w.reset_workspace_buffer(bigger, w._int_workspace_buffer)
+        self.notes.append(f"grew the float workspace to {bigger.numel() >> 20} MiB")
 
     def describe(self) -> dict:
         # "fi_backend", not "backend": the harness's record already names the variant under "backend"
@@ -226,22 +284,14 @@ class FlashInferBsr(FlashInferBase):
 
     def prepare(self, problem: Problem) -> Any:
         mask = problem.mask
-        indptr, indices = folded_bsr(mask.blocks, problem.batch, problem.heads)
+        args = bsr_plan_args(problem)
+        indptr, indices = args[0], args[1]
         rows = indptr.numel() - 1
         grow_int_buffer(self._wrapper, "_kv_lens_buffer", rows, problem.device, self.notes)
         self.grow_vector_sparse(rows + 1, indices.numel() * mask.block_kv, problem.device)
-        bh = problem.batch * problem.heads
         plan_growing_workspace(self, lambda: call_with_supported(
             self._wrapper.plan,
-            indptr,
-            indices,
-            bh * problem.seq_q,
-            bh * problem.seq_kv,
-            mask.block_q,
-            mask.block_kv,
-            1,
-            1,
-            problem.head_dim,
+            *args,
             sm_scale=problem.scale,
             q_data_type=problem.dtype,
             kv_data_type=problem.dtype,
@@ -261,7 +311,7 @@ class FlashInferBsr(FlashInferBase):
 
     def describe(self) -> dict:
         out = super().describe()
-        if self.backend == "fa3":
+        if self.vector_sparse():
             # FlashInfer's own run(), timed as it is: the index conversion and the kernel
             out["run_includes"] = ("block_sparse_indices_to_vector_sparse_offsets (block -> per-token K/V offsets, "
                                    "every call) + the SM90 paged kernel")
@@ -287,6 +337,9 @@ class FlashInferVariable(FlashInferBase):
             return reason
         if problem.batch != 1:
             return "the variable-block wrapper has no batch dimension (batch 1 only here)"
+        if not bool(problem.mask.blocks.any()):
+            # plan() expands the selection with torch.arange(cumsum[-1]): an empty selection raises
+            return "no active block: the variable-block plan() cannot expand an empty selection"
         try:
             import einops  # noqa: F401  (its run() rearranges with einops)
         except ImportError:
@@ -335,5 +388,5 @@ def flashinfer_backends() -> list[Backend]:
     return out
 
 
-__all__ = ["FlashInferBsr", "FlashInferVariable", "flashinfer_backends", "flashinfer_version", "folded_bsr",
-           "gathered_key_tokens", "import_flashinfer", "variable_block_sizes"]
+__all__ = ["FlashInferBsr", "FlashInferVariable", "bsr_plan_args", "flashinfer_backends", "flashinfer_version",
+           "folded_bsr", "gathered_key_tokens", "import_flashinfer", "variable_block_sizes", "workspace_of_overflow"]

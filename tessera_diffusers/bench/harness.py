@@ -32,6 +32,7 @@ from .config import BenchConfig, default_backends
 from .flashinfer_backends import FlashInferBsr, FlashInferVariable
 from .problem import OracleCheck, Problem, check_heads, dtype_named, make_inputs
 from .tessera_backends import TesseraPlan, TesseraSelected, candidate_plans
+from .thunderkittens_backends import FBA_NAME, VSA_NAME, FlexBlockAttnBackend, VsaBackend
 from .timing import INTERLEAVED_WARM_LAUNCHES, Timing, synchronize, time_interleaved, time_kernel, time_request
 
 RECORDS_FILE = "records.jsonl"
@@ -56,11 +57,15 @@ def make_backend(name: str) -> Backend:
     if name.startswith("flashinfer-"):
         _, wrapper, backend = name.split("-")
         return FlashInferBsr(backend) if wrapper == "bsr" else FlashInferVariable(backend)
+    if name == VSA_NAME:
+        return VsaBackend()
+    if name == FBA_NAME:
+        return FlexBlockAttnBackend()
     raise ValueError(f"unknown backend {name!r}")  # BenchConfig validated the names already
 
 
-# Dense baselines first (they are the yardstick), FlashInfer last (a CUDA error there would poison
-# the context for everything measured after it).
+# Dense baselines first (they are the yardstick), FlashInfer and the ThunderKittens peers last (a
+# CUDA error there would poison the context for everything measured after it).
 ORDER = ("sdpa-cudnn", "sdpa-fa2", "tessera", "tessera-plans", "flex", "reference")
 
 

@@ -22,7 +22,7 @@ from .timing import INTERLEAVED_WARM_LAUNCHES
 FAMILY_ORDER = [f.name for f in FAMILIES]
 # Columns of the family tables, in this order when present.
 COLUMN_ORDER = (DENSE_YARDSTICK, "sdpa-fa2", "flex", FLASHINFER_BEST, "flashinfer-bsr-fa2", "flashinfer-bsr-fa3",
-                "flashinfer-var-fa2", "flashinfer-var-fa3", "reference", TESSERA, BEST_PLAN)
+                "flashinfer-var-fa2", "flashinfer-var-fa3", "vsa", "flex-block-attn", "reference", TESSERA, BEST_PLAN)
 
 
 def command_output(args: list[str]) -> str | None:
@@ -64,6 +64,8 @@ def environment(device: torch.device) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "triton": package_version("triton"),
         "flashinfer": flashinfer_version(),
+        "fastvideo_kernel": package_version("fastvideo-kernel"),
+        "flex_block_attn": package_version("flex_block_attn"),
         "tessera_diffusers": package_version("tessera-diffusers"),
         "git_commit": source_commit(Path(__file__).resolve().parents[2]),
         "device": str(device),
@@ -167,6 +169,12 @@ def kernel_study(summary: dict, size: str) -> list[str]:
                  rows)
 
 
+def peer_versions(env: dict) -> str:
+    """``, fastvideo-kernel (VSA) X, flex-block-attn Y`` for the peers installed (nothing otherwise)."""
+    peers = (("fastvideo_kernel", "fastvideo-kernel (VSA)"), ("flex_block_attn", "flex-block-attn"))
+    return "".join(f", {label} {env[key]}" for key, label in peers if env.get(key))
+
+
 def header_lines(env: dict, config: BenchConfig, records: list[dict] = ()) -> list[str]:
     """The environment and protocol lines that open every report (the timing method as the records
     say, so that a report rebuilt with ``--report-only`` names the method of the measuring run)."""
@@ -176,7 +184,7 @@ def header_lines(env: dict, config: BenchConfig, records: list[dict] = ()) -> li
               f"clocks {env.get('clocks') or '-'}")
     versions = (f"- torch {env['torch']} (CUDA {env['cuda_runtime'] or '-'}, cuDNN {env['cudnn'] or '-'}), "
                 f"triton {env['triton'] or '-'}, flashinfer {env['flashinfer'] or 'not installed'}, "
-                f"python {env['python']}")
+                f"python {env['python']}" + peer_versions(env))
     if config.full:
         sizes = "- sizes: the whole evaluation split"
     else:

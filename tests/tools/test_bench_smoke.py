@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,9 +20,12 @@ from tessera_diffusers.bench.config import BenchConfig
 from tessera_diffusers.bench.flashinfer_backends import (
     FlashInferBsr,
     FlashInferVariable,
+    bsr_plan_args,
     folded_bsr,
     gathered_key_tokens,
+    plan_growing_workspace,
     variable_block_sizes,
+    workspace_of_overflow,
 )
 from tessera_diffusers.bench.harness import RunState, interleaved_case
 from tessera_diffusers.bench.metrics import compare, geometric_mean, regrets, summarize
@@ -202,6 +206,115 @@ def test_flashinfer_inputs_rebuild_the_mask() -> None:
     assert torch.equal(block_map, blocks[0]) and row_sz.dtype == torch.int32
     assert (row_sz.sum(1) == 200).all() and (col_sz.sum(1) == 200).all() and int(col_sz[0, -1]) == 200 - 4 * 48
     assert gathered_key_tokens(problem) == int((blocks[0].double() @ col_sz[0].double()).sum())
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [Hq, M, D]``, ``k, v [Hkv, N, D]``, ``allowed [Hkv|1, M, N]``: fp64 attention, rows without
+    a key give 0."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, -math.inf)
+    return torch.nan_to_num(torch.softmax(scores, -1), nan=0.0) @ v.double()
+
+
+def flashinfer_bsr_semantics(q, k, v, indptr, indices, M, N, R, C, num_qo_heads, num_kv_heads, head_dim, scale):
+    """What ``BlockSparseAttentionWrapper.plan(indptr, indices, M, N, R, C, ...)`` then ``run(q, k, v)``
+    compute, per FlashInfer's docstring (0.3.1 and 0.7.4): q ``[M, Hq, D]``, k, v ``[N, Hkv, D]``;
+    block row ``i`` is query rows ``[i*R, min((i+1)*R, M))``, block column ``j`` keys ``[j*C, (j+1)*C)``."""
+    assert q.shape == (M, num_qo_heads, head_dim) and k.shape == v.shape == (N, num_kv_heads, head_dim)
+    assert indptr.numel() - 1 == math.ceil(M / R) and N % C == 0 and int(indices.max()) < N // C
+    allowed = torch.zeros(M, N, dtype=torch.bool)
+    for i in range(indptr.numel() - 1):
+        for j in indices[int(indptr[i]):int(indptr[i + 1])].tolist():
+            allowed[i * R:min((i + 1) * R, M), j * C:(j + 1) * C] = True
+    out = masked_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allowed[None], scale)
+    return out.transpose(0, 1)  # [M, Hq, D]
+
+
+def flashinfer_variable_semantics(q, k, v, block_mask_map, block_row_sz, block_col_sz, scale):
+    """What ``VariableBlockSparseAttentionWrapper`` computes: q ``[H, S, D]``; block ``(i, j)`` of head
+    ``h`` covers query rows ``block_row_sz[h, :i].sum()`` + ``[0, block_row_sz[h, i])`` and the same
+    for keys with ``block_col_sz``."""
+    heads = q.shape[0]
+    allowed = torch.zeros(heads, q.shape[1], k.shape[1], dtype=torch.bool)
+    for h in range(heads):
+        rows = torch.cat([torch.zeros(1, dtype=torch.long), block_row_sz[h].long().cumsum(0)])
+        cols = torch.cat([torch.zeros(1, dtype=torch.long), block_col_sz[h].long().cumsum(0)])
+        for i, j in torch.nonzero(block_mask_map[h]).tolist():
+            allowed[h, rows[i]:rows[i + 1], cols[j]:cols[j + 1]] = True
+    return masked_attention(q, k, v, allowed, scale)
+
+
+def test_flashinfer_bsr_fold_computes_the_masked_attention() -> None:
+    """The BSR variant's plan arguments and folded q, k, v, run through FlashInfer's documented BSR
+    semantics and unfolded, give the problem's masked attention (per-batch, per-head masks)."""
+    mask = random_mask(2, 3, 192, 144, 32, 48, density=0.4, seed=5)  # whole blocks, empty rows
+    problem = Problem("p", "test", "Q32K48", "random", mask, 2, 3, 16, torch.float32)
+    backend = FlashInferBsr("fa2")
+    q, k, v = make_inputs(problem, 1, seed=4)[0]
+    args = bsr_plan_args(problem)
+    assert args[2:] == (2 * 3 * 192, 2 * 3 * 144, 32, 48, 1, 1, 16)
+    out = flashinfer_bsr_semantics(*backend.convert(q, k, v), *args, problem.scale)
+    want = reference.attention(q, k, v, mask, problem.scale)
+    torch.testing.assert_close(backend.to_bshd(out, problem).float(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_flashinfer_variable_blocks_compute_the_masked_attention() -> None:
+    """The variable-block variant's plan arguments (partial last blocks) and (H, S, D) inputs, run
+    through FlashInfer's documented semantics, give the problem's masked attention."""
+    problem = small_problem(seed=2)  # 200 tokens in 32 x 48 blocks: partial last blocks, empty rows
+    backend = FlashInferVariable("fa2")
+    q, k, v = make_inputs(problem, 1, seed=5)[0]
+    out = flashinfer_variable_semantics(*backend.convert(q, k, v), *variable_block_sizes(problem), problem.scale)
+    want = reference.attention(q, k, v, problem.mask, problem.scale)
+    torch.testing.assert_close(backend.to_bshd(out, problem).float(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_flashinfer_plan_grows_the_workspace_the_overflow_names() -> None:
+    """FlashInfer's scheduler names the allocation that overflowed: split-KV partial outputs are in the
+    float workspace, the rest of the plan in the int one; anything else is not retried."""
+    def overflow(name: str) -> str:  # the message of flashinfer/allocator.h (0.7.4)
+        return (f"Buffer overflow when allocating memory for {name} with size 4096 and alignment 16, but only 0 "
+                "bytes available in AlignedAllocator. Increase the workspace buffer size.")
+
+    assert workspace_of_overflow(overflow("batch_prefill_tmp_v")) == "float"
+    assert workspace_of_overflow(overflow("batch_prefill_tmp_s")) == "float"
+    assert workspace_of_overflow(overflow("batch_prefill_sm90_qo_tile_indices")) == "int"
+    assert workspace_of_overflow(overflow("batch_prefill_merge_indptr")) == "int"
+    grown: list[str] = []
+    fake = SimpleNamespace(grow_float_workspace=lambda: grown.append("float"),
+                           grow_int_workspace=lambda: grown.append("int"))
+    errors = [RuntimeError(overflow("batch_prefill_tmp_v")), RuntimeError(overflow("batch_prefill_request_indices"))]
+
+    def plan() -> None:
+        if errors:
+            raise errors.pop(0)
+
+    plan_growing_workspace(fake, plan)
+    assert grown == ["float", "int"]
+    with pytest.raises(RuntimeError, match="unrelated"):
+        plan_growing_workspace(fake, lambda: (_ for _ in ()).throw(RuntimeError("unrelated failure")))
+    assert grown == ["float", "int"]
+
+
+def test_flashinfer_token_lists_follow_the_wrapper_version() -> None:
+    """0.3.1's fa3 BSR expands block indices into per-token offsets in fixed buffers (int32-bounded,
+    grown to fit, reported in the record); 0.7.4's has no such buffers; the variable wrapper lists
+    tokens on both."""
+    old = FlashInferBsr("fa3")
+    old._wrapper = SimpleNamespace(_vector_sparse_indices_buffer=torch.empty(4, dtype=torch.int32),
+                                   _vector_sparse_indptr_buffer=torch.empty(2, dtype=torch.int32))
+    assert old.token_indexed() and "run_includes" in old.describe()
+    old.grow_vector_sparse(3, 10, torch.device("cpu"))
+    assert old._wrapper._vector_sparse_indices_buffer.numel() == 11 and old._wrapper._vector_sparse_indptr_buffer.numel() == 4
+    new = FlashInferBsr("fa3")
+    new._wrapper = SimpleNamespace()
+    assert not new.token_indexed() and "run_includes" not in new.describe()
+    new.grow_vector_sparse(3, 10, torch.device("cpu"))  # nothing to grow
+    assert vars(new._wrapper) == {}
+    fa2 = FlashInferBsr("fa2")
+    fa2._wrapper = old._wrapper
+    assert not fa2.token_indexed()
+    assert FlashInferVariable("fa3").token_indexed() and FlashInferVariable("fa2").token_indexed()
 
 
 def test_flashinfer_records_keep_their_variant_name() -> None:
