@@ -17,6 +17,7 @@ Systems (``--systems``, run one after another on the same model and the same lat
     tessera:<sp>        ``TesseraProcessor(<sp>)`` with a named sparsifier (``SPARSIFIERS``)
     flex:<sp>           the same processor and masks, FlexAttention (compiled, its fastest tiles)
     flashinfer:<sp>     the same, FlashInfer's VariableBlockSparseAttentionWrapper
+    vsa:<sp>            the same, FastVideo's VSA kernel (masks over multiples of 64 x 64 blocks)
 
 Each system runs one untimed forward (compilation, autotuning) and then ``--steps`` denoising steps
 from ``--first-step`` under the pipelines' ``cache_context`` (one guidance branch; ``--cfg`` for
@@ -150,12 +151,13 @@ def reference_lse(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def lse_scale_of(run, device: torch.device, dtype: torch.dtype, head_dim: int) -> float:
-    """1 if ``run(q, k, v) -> (out, lse)`` returns natural-log lse, ln 2 if it returns log2."""
+    """The factor that turns the lse of ``run(q, k, v) -> (out, lse)`` into the natural log-sum-exp:
+    1 (natural), ln 2 (log2), or -1/sqrt(D) (VSA's kernel returns -sqrt(D) times the natural lse)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 256, 2, head_dim, generator=gen).to(device, dtype) for _ in range(3))
     _, lse = run(q, k, v)
     want = reference_lse(q, k)
-    for scale in (1.0, math.log(2.0)):
+    for scale in (1.0, math.log(2.0), -1.0 / math.sqrt(head_dim)):
         if torch.allclose(lse.float() * scale, want, rtol=2e-2, atol=2e-2):
             return scale
     raise RuntimeError("could not identify the log base of the backend's lse")
@@ -332,6 +334,64 @@ class FlashInferBackend:
         self.lse_scale = lse_scale_of(run, device, dtype, head_dim)
 
 
+class VsaBackend:
+    """FastVideo's VSA block-sparse kernel (ThunderKittens, sm_90a, 64 x 64 blocks): a mask over
+    blocks that are multiples of 64 is split exactly into 64 x 64 blocks, whose index lists VSA's
+    own ``map_to_index`` builds once per mask (kept in the step cache); q, k, v are folded to
+    ``[1, B*H, S_pad, D]`` with the sequence zero-padded to whole blocks (the kernel masks the
+    partial last KV block). VSA cannot express a query block without keys: such a mask is refused
+    (one host read per mask checks it)."""
+
+    name = "vsa"
+
+    def __init__(self):
+        from tessera_diffusers.bench.thunderkittens_backends import import_vsa
+
+        self.ops, self.map_to_index, error = import_vsa()
+        if error is not None:
+            raise Unavailable(error)
+        self.lse_scale = None  # set by ``calibrate`` at the first call that returns an lse
+
+    def plan(self, mask: LogicalMask, batch: int, heads: int):
+        from tessera_diffusers.bench.thunderkittens_backends import refine_blocks, vsa_kv_block_sizes
+
+        blocks = refine_blocks(mask.blocks, mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv)
+        full = blocks.expand(batch, heads, -1, -1).reshape(1, batch * heads, *blocks.shape[-2:]).contiguous()
+        if not bool(full.any(-1).all()):
+            raise InvalidArgumentError("mask", "every query block with a key block (VSA has no empty rows)",
+                                       "a mask with empty query-block rows")
+        index, num = self.map_to_index(full)
+        return index, num, vsa_kv_block_sizes(mask.seq_len_kv, mask.blocks.device)
+
+    def run(self, prepared, q, k, v):
+        from tessera_diffusers.bench.thunderkittens_backends import VSA_BLOCK, fold_heads
+
+        batch, seq_q, heads, _ = q.shape
+        pad_q, pad_kv = (math.ceil(n / VSA_BLOCK) * VSA_BLOCK for n in (seq_q, k.shape[1]))
+        out, lse = self.ops.block_sparse_fwd(fold_heads(q, pad_q), fold_heads(k, pad_kv), fold_heads(v, pad_kv),
+                                             *prepared)
+        out = out.view(batch, heads, pad_q, -1)[:, :, :seq_q].permute(0, 2, 1, 3)
+        return out, lse.reshape(batch, heads, -1)[..., :seq_q].float()
+
+    def attention(self, q, k, v, mask, *, slot, cache, return_lse=False, part=None):
+        prepared = cache.plan(slot, (self.name, q.shape[0], q.shape[2], part),
+                              lambda: (self.plan(mask, q.shape[0], q.shape[2]), 0))
+        out, lse = self.run(prepared, q, k, v)
+        if not return_lse:
+            return out
+        if self.lse_scale is None:
+            self.calibrate(q.device, q.dtype, q.shape[3])
+        return out, lse * self.lse_scale
+
+    def calibrate(self, device, dtype, head_dim):
+        """The log base of VSA's lse, asked at the first call that needs one."""
+        def run(q, k, v):
+            mask = LogicalMask.dense(q.shape[1], k.shape[1], 64, 64, device=device)
+            return self.run(self.plan(mask, q.shape[0], q.shape[2]), q, k, v)
+
+        self.lse_scale = lse_scale_of(run, device, dtype, head_dim)
+
+
 def grow_buffer(owner, attribute: str, needed: int) -> None:
     """Replace ``owner.<attribute>`` (a FlashInfer index buffer) by a larger one if it is too small."""
     current = getattr(owner, attribute, None)
@@ -414,8 +474,13 @@ def install(system: str, model, args, device: torch.device):
             raise Unavailable("FlashInfer needs a CUDA device")
         backend = FlashInferBackend(device, backend=args.flashinfer_backend)
         backend.calibrate(device, torch.bfloat16, 128)
+    elif kind == "vsa":
+        if device.type != "cuda":
+            raise Unavailable("VSA needs a CUDA device")
+        backend = VsaBackend()
     else:
-        raise InvalidArgumentError("--systems", "dense, stock, one-liner, attach or <tessera|flex|flashinfer>:<sparsifier>", system)
+        raise InvalidArgumentError("--systems", "dense, stock, one-liner, attach or <tessera|flex|flashinfer|vsa>:"
+                                   "<sparsifier>", system)
     processor = TesseraProcessor(sparsifier, backend=backend, time_attention=True)
     processor._attention_backend = args.dense_backend if device.type == "cuda" else None
     model.set_attn_processor(processor)
@@ -691,7 +756,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--systems",
         default="dense,one-liner,attach",
         help="comma-separated, run in this order: dense, stock, one-liner, attach, tessera:<sp>, flex:<sp>, "
-        f"flashinfer:<sp> with <sp> one of {', '.join(SPARSIFIERS)}",
+        f"flashinfer:<sp>, vsa:<sp> with <sp> one of {', '.join(SPARSIFIERS)}",
     )
     parser.add_argument("--steps", type=int, default=None, help="denoising steps measured (default 3; smoke 2)")
     parser.add_argument(
