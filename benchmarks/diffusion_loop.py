@@ -669,8 +669,8 @@ def write_reports(out: Path, report: dict) -> None:
     lines = [
         "# Denoising steps at full depth: Tessera as installed by users, dense and other kernels",
         "",
-        f"Device: {report['device']}; torch {report['torch']}; dtype {report['dtype']}; dense backend "
-        f"`{report['dense_backend']}`.",
+        (f"Device: {report['device']}; torch {report['torch']}; dtype {report['dtype']}; dense backend "
+         f"`{report['dense_backend']}`."),
         "Step = wall time of one denoising step's transformer forwards, to completion. Attention = GPU time",
         "inside the attention calls (mask preparation and planning included). Steady = mean over the",
         "measured steps after the first (which pays first-call selection and compilation).",

@@ -1,4 +1,4 @@
-"""Kernel study (issue 3): every eligible Tessera catalog plan on every corpus family, beside dense
+"""Kernel study: every eligible Tessera catalog plan on every corpus family, beside dense
 cuDNN SDPA, dense FlashAttention-2 SDPA and FlexAttention, measured in one run.
 
     python benchmarks/kernels.py --out $OUT                                  # N=32768/H=24 and Wan 720p
