@@ -1,10 +1,11 @@
-"""The processor beside the diffusers hooks users combine it with, on tiny models on the CPU.
+"""The processor beside the diffusers hooks and adapters users combine it with, on tiny models on the CPU.
 
 Caching hooks (FirstBlockCache, TaylorSeer, MagCache) skip whole transformer blocks on some steps,
 so the processor is not called for them; group offloading wraps every block in hooks that move its
 weights. With masks that keep every block (Tessera's reference path then computes exact attention)
 each combination must give the stock processors' outputs under the same hook, step for step, and the
-processor's own step count (dense warm-up, then sparse) must follow the steps, not the calls.
+processor's own step count (dense warm-up, then sparse) must follow the steps, not the calls. A LoRA
+adapter (peft) wraps the attention projections the processor calls.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+from peft import LoraConfig
 from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
 
@@ -124,3 +126,20 @@ def test_sparse_masks_are_unchanged_by_group_offloading():
                                        num_blocks_per_group=1)
         outs.append(denoise(model, wan_inputs(), 2))
     assert_same_steps(*outs)
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_a_lora_adapter_on_the_attention_projections_applies_as_with_the_stock_processors(model_name):
+    make, inputs = MODELS[model_name]
+    outs = []
+    for with_tessera in (False, True):
+        model = make(num_layers=2)
+        torch.manual_seed(1)  # the same random LoRA weights in both models (B not zero: the adapter acts)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                     init_lora_weights=False))
+        if with_tessera:
+            TesseraProcessor(all_active((1, 4, 4))).attach(model)
+        outs.append(denoise(model, inputs(), 1))
+    assert_same_steps(*outs)
+    base = denoise(make(num_layers=2), inputs(), 1)
+    assert (outs[1][0] - base[0]).abs().max() > 1e-3  # the adapter changed the output
