@@ -17,6 +17,7 @@ why in ``unsupported(problem)`` or raises ``Skip`` from ``prepare``. Nothing is 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -148,6 +149,38 @@ def flex_kernel_options(block_q: int, block_kv: int) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if block_m >= 128 else 4, "num_stages": 3}
 
 
+def flex_candidate_options(block_q: int, block_kv: int) -> list[dict]:
+    """The forward kernel options ``flex-tuned`` times per geometry and shape: the matched tiles
+    (``flex_kernel_options``) with 4 and 8 warps and 2 and 3 stages, and the larger ``BLOCK_N`` of
+    128 where it divides ``block_kv`` (8 warps, 3 stages). The first is ``flex``'s own choice."""
+    matched = flex_kernel_options(block_q, block_kv)
+    out = [matched]
+    for warps in (4, 8):
+        for stages in (2, 3):
+            option = {**matched, "num_warps": warps, "num_stages": stages}
+            if option not in out:
+                out.append(option)
+    wide = flex_tile(block_kv, 128)
+    if wide != matched["BLOCK_N"]:
+        out.append({**matched, "BLOCK_N": wide, "num_warps": 8, "num_stages": 3})
+    return out
+
+
+def fastest_option(candidates: list[dict], time_ms: Callable[[dict], float]) -> tuple[dict, list[tuple[dict, float | str]]]:
+    """The candidate with the lowest ``time_ms``, and every candidate's time (or why it failed:
+    a Triton configuration that does not fit shared memory is an error of that candidate only)."""
+    tried: list[tuple[dict, float | str]] = []
+    for option in candidates:
+        try:
+            tried.append((option, float(time_ms(option))))
+        except Exception as err:  # noqa: BLE001 - compile / resource errors rule out this candidate
+            tried.append((option, f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"))
+    timed = [(t, i) for i, (_, t) in enumerate(tried) if isinstance(t, float)]
+    if not timed:
+        raise Skip(f"no FlexAttention configuration ran: {tried[0][1]}")
+    return tried[min(timed)[1]][0], tried
+
+
 def kv_block_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention's ``kv_num_blocks [B, H, nQ]`` and ``kv_indices [B, H, nQ, nKV]`` (active
     columns first, ascending) of a bool block tensor ``[B, H, nQ, nKV]``."""
@@ -215,7 +248,7 @@ class FlexAttentionBackend(Backend):
             return "needs CUDA tensors"
         return None
 
-    def kernel_options(self, problem: Problem) -> dict:
+    def kernel_options(self, problem: Problem, block_mask: Any = None) -> dict:
         if self._fixed_options is not None:
             return dict(self._fixed_options)
         return flex_kernel_options(problem.mask.block_q, problem.mask.block_kv)
@@ -237,7 +270,8 @@ class FlexAttentionBackend(Backend):
         )
 
     def prepare(self, problem: Problem) -> Any:
-        return self.block_mask(problem), self.kernel_options(problem), problem.scale
+        block_mask = self.block_mask(problem)
+        return block_mask, self.kernel_options(problem, block_mask), problem.scale
 
     def convert(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
         return to_heads_first(q, k, v)
@@ -252,4 +286,58 @@ class FlexAttentionBackend(Backend):
     def describe(self) -> dict:
         return {"kernel_options": "matched to the geometry" if self._fixed_options is None else self._fixed_options,
                 "blocks_as": "full blocks (no mask_mod)", "compile": "torch.compile(dynamic=False)"}
+
+
+class FlexAttentionTuned(FlexAttentionBackend):
+    """``flex`` at the fastest forward configuration found per geometry and shape: at the first
+    request of each, every ``flex_candidate_options`` entry is compiled and timed on random inputs of
+    the problem's shape with its block mask (CUDA events, median of 5 after 2 warm-ups), once, like
+    an autotuner (the first call's time, reported apart, includes it); later requests pay a lookup.
+    ``describe`` lists what was tried and chosen."""
+
+    name = "flex-tuned"
+
+    def __init__(self, recompile_limit: int = 512):
+        super().__init__(recompile_limit=recompile_limit)
+        self.choices: dict[tuple, dict] = {}
+        self.tried: dict[str, list] = {}
+
+    def kernel_options(self, problem: Problem, block_mask: Any = None) -> dict:
+        mask = problem.mask
+        key = (mask.block_q, mask.block_kv, problem.batch, problem.heads, problem.seq_q, problem.seq_kv,
+               problem.head_dim, problem.dtype)
+        if key not in self.choices:
+            block_mask = self.block_mask(problem) if block_mask is None else block_mask
+            chosen, tried = fastest_option(flex_candidate_options(mask.block_q, mask.block_kv),
+                                           lambda option: self.time_options(problem, block_mask, option))
+            self.choices[key] = chosen
+            self.tried[f"Q{mask.block_q}K{mask.block_kv} H{problem.heads} S{problem.seq_q}"] = [
+                {**option, "ms": t} for option, t in tried]
+        return dict(self.choices[key])
+
+    def time_options(self, problem: Problem, block_mask: Any, options: dict) -> float:
+        """Median milliseconds of the compiled kernel with ``options`` on random inputs of the problem."""
+        gen = torch.Generator(device=problem.device).manual_seed(0)
+        q, k, v = (torch.randn(problem.batch, problem.heads, n, problem.head_dim, generator=gen,
+                               device=problem.device).to(problem.dtype)
+                   for n in (problem.seq_q, problem.seq_kv, problem.seq_kv))
+
+        def run() -> torch.Tensor:
+            return self.compiled()(q, k, v, block_mask=block_mask, scale=problem.scale, kernel_options=options)
+
+        for _ in range(2):
+            run()
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    def describe(self) -> dict:
+        return {"kernel_options": "fastest of flex_candidate_options per geometry and shape (timed once)",
+                "tried": self.tried, "blocks_as": "full blocks (no mask_mod)", "compile": "torch.compile(dynamic=False)"}
 

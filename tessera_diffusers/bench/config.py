@@ -81,6 +81,7 @@ BASELINE_NAMES: tuple[str, ...] = (
     "sdpa-cudnn",
     "sdpa-fa2",
     "flex",
+    "flex-tuned",
     "flashinfer-bsr-fa2",
     "flashinfer-bsr-fa3",
     "flashinfer-var-fa2",

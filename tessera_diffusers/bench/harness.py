@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..corpus import CaseSpec, iter_corpus
-from .backends import Backend, FlexAttentionBackend, OracleBackend, SdpaBackend, Skip
+from .backends import Backend, FlexAttentionBackend, FlexAttentionTuned, OracleBackend, SdpaBackend, Skip
 from .config import BenchConfig, default_backends
 from .flashinfer_backends import FlashInferBsr, FlashInferVariable
 from .problem import OracleCheck, Problem, check_heads, dtype_named, make_inputs
@@ -50,6 +50,8 @@ def make_backend(name: str) -> Backend:
         return SdpaBackend("sdpa-fa2", "FLASH_ATTENTION")
     if name == "flex":
         return FlexAttentionBackend()
+    if name == "flex-tuned":
+        return FlexAttentionTuned()
     if name == "reference":
         return OracleBackend()
     if name == "tessera":

@@ -21,7 +21,7 @@ from .timing import INTERLEAVED_WARM_LAUNCHES
 
 FAMILY_ORDER = [f.name for f in FAMILIES]
 # Columns of the family tables, in this order when present.
-COLUMN_ORDER = (DENSE_YARDSTICK, "sdpa-fa2", "flex", FLASHINFER_BEST, "flashinfer-bsr-fa2", "flashinfer-bsr-fa3",
+COLUMN_ORDER = (DENSE_YARDSTICK, "sdpa-fa2", "flex", "flex-tuned", FLASHINFER_BEST, "flashinfer-bsr-fa2", "flashinfer-bsr-fa3",
                 "flashinfer-var-fa2", "flashinfer-var-fa3", "vsa", "flex-block-attn", "reference", TESSERA, BEST_PLAN)
 
 

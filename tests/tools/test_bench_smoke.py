@@ -15,7 +15,16 @@ import torch
 
 from tessera_diffusers import LogicalMask, reference
 from tessera_diffusers.bench import cli
-from tessera_diffusers.bench.backends import FlexAttentionBackend, OracleBackend, flex_kernel_options, kv_block_lists
+from tessera_diffusers.bench.backends import (
+    FlexAttentionBackend,
+    FlexAttentionTuned,
+    OracleBackend,
+    Skip,
+    fastest_option,
+    flex_candidate_options,
+    flex_kernel_options,
+    kv_block_lists,
+)
 from tessera_diffusers.bench.config import BenchConfig
 from tessera_diffusers.bench.flashinfer_backends import (
     FlashInferBsr,
@@ -159,6 +168,44 @@ def test_flex_block_mask_is_the_logical_mask() -> None:
     assert torch.equal(first.sort().values, first) and bool(problem.mask.blocks[0, 0, 0, first.long()].all())
     assert flex_kernel_options(16, 16)["BLOCK_M"] == 16 and flex_kernel_options(384, 384)["BLOCK_N"] == 64
     assert flex_kernel_options(128, 64) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+
+
+def test_flex_candidates_start_with_the_matched_options_and_stay_valid() -> None:
+    for block_q, block_kv in ((16, 16), (64, 32), (64, 64), (128, 128), (384, 384)):
+        candidates = flex_candidate_options(block_q, block_kv)
+        assert candidates[0] == flex_kernel_options(block_q, block_kv)
+        assert len(candidates) == len({tuple(sorted(c.items())) for c in candidates})  # no repeats
+        for option in candidates:  # FlexAttention needs tiles that divide the blocks
+            assert block_q % option["BLOCK_M"] == 0 and block_kv % option["BLOCK_N"] == 0
+    assert {c["BLOCK_N"] for c in flex_candidate_options(128, 128)} == {64, 128}
+    assert {c["BLOCK_N"] for c in flex_candidate_options(64, 64)} == {64}
+    assert {(c["num_warps"], c["num_stages"]) for c in flex_candidate_options(64, 64)} == {(4, 2), (4, 3), (8, 2), (8, 3)}
+
+
+def test_flex_tuned_keeps_the_fastest_option_per_shape_and_reports_what_it_tried() -> None:
+    backend = FlexAttentionTuned()
+    if backend._error:
+        pytest.skip(backend._error)
+    problem = small_problem()
+    timed = []
+
+    def time_options(problem, block_mask, option):
+        timed.append(option)
+        if option["num_stages"] == 2 and option["num_warps"] == 8:
+            raise RuntimeError("out of resource: shared memory")  # a failed candidate is only ruled out
+        return 1.0 + option["num_warps"] / 10 - option["num_stages"] / 100
+
+    backend.time_options = time_options
+    chosen = backend.kernel_options(problem)
+    assert chosen == {**flex_kernel_options(32, 48), "num_warps": 4, "num_stages": 3}
+    assert len(timed) == len(flex_candidate_options(32, 48))
+    assert backend.kernel_options(problem) == chosen and len(timed) == len(flex_candidate_options(32, 48))  # once
+    (tried,) = backend.tried.values()
+    assert sum(isinstance(t["ms"], str) for t in tried) == 1 and "out of resource" in next(
+        t["ms"] for t in tried if isinstance(t["ms"], str))
+    assert backend.describe()["tried"] is backend.tried
+    with pytest.raises(Skip, match="no FlexAttention configuration ran"):
+        fastest_option([{"a": 1}], lambda option: 1 / 0)
 
 
 @pytest.fixture
