@@ -106,6 +106,37 @@ def tiny_hunyuan_video15_pipeline(num_layers: int = 2, seed: int = 0) -> Hunyuan
     )
 
 
+def wan_transformer_inputs(frames: int = 2, size: int = 16, batch: int = 1, text: int = 12, seed: int = 0) -> dict:
+    """Forward inputs of ``tiny_wan_transformer``: latents ``[B, 4, frames, size, size]`` (a
+    ``frames x size/2 x size/2`` token grid), timestep 500, text ``[B, text, 16]``."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, 4, frames, size, size, generator=gen),
+        "timestep": torch.tensor([500] * batch),
+        "encoder_hidden_states": torch.randn(batch, text, TEXT_DIM, generator=gen),
+    }
+
+
+def hunyuan_video15_transformer_inputs(
+    batch: int = 1, frames: int = 2, size: int = 8, image: bool = False, seed: int = 0, valid=(3,), valid_2=(2,)
+) -> dict:
+    """Forward inputs of ``tiny_hunyuan_video15_transformer``: latents ``[B, 4, frames, size, size]``,
+    timestep 500, 6 Qwen and 4 byT5 text tokens of which the first ``valid`` / ``valid_2`` (one
+    count, or one per batch element) are valid, image embeddings ``[B, 3, 12]`` (zeros unless ``image``)."""
+    gen = torch.Generator().manual_seed(seed)
+    valid = list(valid) * batch if len(valid) == 1 else list(valid)
+    valid_2 = list(valid_2) * batch if len(valid_2) == 1 else list(valid_2)
+    return {
+        "hidden_states": torch.randn(batch, 4, frames, size, size, generator=gen),
+        "timestep": torch.tensor([500.0] * batch),
+        "encoder_hidden_states": torch.randn(batch, 6, TEXT_DIM, generator=gen),
+        "encoder_attention_mask": torch.stack([(torch.arange(6) < n).long() for n in valid]),
+        "encoder_hidden_states_2": torch.randn(batch, 4, 8, generator=gen),
+        "encoder_attention_mask_2": torch.stack([(torch.arange(4) < n).long() for n in valid_2]),
+        "image_embeds": torch.randn(batch, 3, 12, generator=gen) if image else torch.zeros(batch, 3, 12),
+    }
+
+
 def wan_prompt_inputs(batch: int = 1, text_tokens: int = 12, seed: int = 0) -> dict:
     """``prompt_embeds`` / ``negative_prompt_embeds`` for the tiny Wan pipeline."""
     gen = torch.Generator().manual_seed(seed)

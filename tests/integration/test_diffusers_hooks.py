@@ -15,7 +15,12 @@ import torch
 from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 from peft import LoraConfig
 from tessera_diffusers.processors import TesseraProcessor
-from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
+from tessera_diffusers.processors.tiny import (
+    hunyuan_video15_transformer_inputs,
+    tiny_hunyuan_video15_transformer,
+    tiny_wan_transformer,
+    wan_transformer_inputs,
+)
 
 from tessera_diffusers.sparsifiers import DenseWarmup, all_active, ssta_64
 
@@ -29,23 +34,8 @@ CACHES = {
 }
 
 
-def wan_inputs() -> dict:
-    gen = torch.Generator().manual_seed(0)
-    return {"hidden_states": torch.randn(1, 4, 2, 16, 16, generator=gen),
-            "encoder_hidden_states": torch.randn(1, 12, 16, generator=gen)}
-
-
-def hv15_inputs() -> dict:
-    gen = torch.Generator().manual_seed(0)
-    return {"hidden_states": torch.randn(1, 4, 2, 8, 8, generator=gen),
-            "encoder_hidden_states": torch.randn(1, 6, 16, generator=gen),
-            "encoder_attention_mask": (torch.arange(6) < 3).long()[None],
-            "encoder_hidden_states_2": torch.randn(1, 4, 8, generator=gen),
-            "encoder_attention_mask_2": (torch.arange(4) < 2).long()[None],
-            "image_embeds": torch.zeros(1, 3, 12)}
-
-
-MODELS = {"wan": (tiny_wan_transformer, wan_inputs), "hv15": (tiny_hunyuan_video15_transformer, hv15_inputs)}
+MODELS = {"wan": (tiny_wan_transformer, wan_transformer_inputs),
+          "hv15": (tiny_hunyuan_video15_transformer, hunyuan_video15_transformer_inputs)}
 
 
 def denoise(model, inputs: dict, steps: int = STEPS) -> list[torch.Tensor]:
@@ -53,7 +43,7 @@ def denoise(model, inputs: dict, steps: int = STEPS) -> list[torch.Tensor]:
     outs = []
     for step in range(steps):
         with torch.no_grad(), model.cache_context("cond"):
-            outs.append(model(**inputs, timestep=torch.tensor([900.0 - 100 * step])).sample)
+            outs.append(model(**{**inputs, "timestep": torch.tensor([900.0 - 100 * step])}).sample)
     return outs
 
 
@@ -108,7 +98,7 @@ def test_dense_warmup_counts_steps_when_a_cache_skips_blocks():
     model = tiny_wan_transformer(num_layers=3)
     processor = TesseraProcessor(DenseWarmup(ssta_64(), steps=2)).attach(model)
     model.enable_cache(FirstBlockCacheConfig(threshold=10.0))
-    outs = denoise(model, wan_inputs())
+    outs = denoise(model, wan_transformer_inputs())
     stats = processor.stats()
     assert (stats["dense_calls"], stats["sparse_calls"]) == (3 + 1, 1 + 1), stats
     assert all(torch.isfinite(out).all() for out in outs)
@@ -124,7 +114,7 @@ def test_sparse_masks_are_unchanged_by_group_offloading():
         if offload:
             model.enable_group_offload(onload_device=torch.device("cpu"), offload_type="block_level",
                                        num_blocks_per_group=1)
-        outs.append(denoise(model, wan_inputs(), 2))
+        outs.append(denoise(model, wan_transformer_inputs(), 2))
     assert_same_steps(*outs)
 
 

@@ -125,15 +125,6 @@ def case_raw(rank: int, world: int) -> dict:
 
 
 # --------------------------------------------------------------------------- (b) the tiny Wan transformer
-def wan_inputs(seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(1, 4, 2, 16, 16, generator=gen),  # grid 2 x 8 x 8 = 128 tokens
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 12, 16, generator=gen),
-    }
-
-
 def per_head_mask(heads: int, seed: int):
     """A static per-head mask over the 2 x 8 x 8 grid in (1, 4, 4) tile order (blocks of 16)."""
     from tessera_diffusers import LogicalMask
@@ -156,7 +147,9 @@ def sparsifiers(heads: int) -> dict:
 
 
 def forwards(model, steps: int) -> list[torch.Tensor]:
-    inputs = wan_inputs()
+    from tessera_diffusers.processors.tiny import wan_transformer_inputs
+
+    inputs = wan_transformer_inputs()  # grid 2 x 8 x 8 = 128 tokens
     with torch.no_grad():
         return [model(**inputs, return_dict=False)[0] for _ in range(steps)]
 

@@ -17,7 +17,9 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_hunyuan_video15, transformer_wan
 from tessera_diffusers.processors import ForwardContext, TesseraProcessor
+from tessera_diffusers.processors.tiny import hunyuan_video15_transformer_inputs as hv15_inputs
 from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
+from tessera_diffusers.processors.tiny import wan_transformer_inputs as wan_inputs
 
 from tessera_diffusers import InvalidArgumentError, LogicalMask, MaskError
 from tessera_diffusers.sparsifiers import (
@@ -31,32 +33,6 @@ from tessera_diffusers.sparsifiers import (
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def wan_inputs(frames: int = 2, size: int = 16, batch: int = 1, text: int = 12, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(batch, 4, frames, size, size, generator=gen),
-        "timestep": torch.tensor([500] * batch),
-        "encoder_hidden_states": torch.randn(batch, text, 16, generator=gen),
-    }
-
-
-def hv15_inputs(
-    batch: int = 1, frames: int = 2, size: int = 8, image: bool = False, seed: int = 0, valid=(3,), valid_2=(2,)
-) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    valid = list(valid) * batch if len(valid) == 1 else list(valid)
-    valid_2 = list(valid_2) * batch if len(valid_2) == 1 else list(valid_2)
-    return {
-        "hidden_states": torch.randn(batch, 4, frames, size, size, generator=gen),
-        "timestep": torch.tensor([500.0] * batch),
-        "encoder_hidden_states": torch.randn(batch, 6, 16, generator=gen),
-        "encoder_attention_mask": torch.stack([(torch.arange(6) < n).long() for n in valid]),
-        "encoder_hidden_states_2": torch.randn(batch, 4, 8, generator=gen),
-        "encoder_attention_mask_2": torch.stack([(torch.arange(4) < n).long() for n in valid_2]),
-        "image_embeds": torch.randn(batch, 3, 12, generator=gen) if image else torch.zeros(batch, 3, 12),
-    }
 
 
 def run(model, inputs) -> torch.Tensor:
