@@ -24,6 +24,7 @@ import torch
 
 from .. import reference
 from .problem import Problem
+from .timing import time_kernel
 
 Inputs = tuple[torch.Tensor, ...]
 
@@ -322,20 +323,10 @@ class FlexAttentionTuned(FlexAttentionBackend):
                                device=problem.device).to(problem.dtype)
                    for n in (problem.seq_q, problem.seq_kv, problem.seq_kv))
 
-        def run() -> torch.Tensor:
+        def run(_: int) -> torch.Tensor:
             return self.compiled()(q, k, v, block_mask=block_mask, scale=problem.scale, kernel_options=options)
 
-        for _ in range(2):
-            run()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+        return time_kernel(run, 1, 2, 5, problem.device).median_ms
 
     def describe(self) -> dict:
         return {"kernel_options": "fastest of flex_candidate_options per geometry and shape (timed once)",
