@@ -353,25 +353,25 @@ class VsaBackend:
         self.lse_scale = None  # set by ``calibrate`` at the first call that returns an lse
 
     def plan(self, mask: LogicalMask, batch: int, heads: int):
-        from tessera_diffusers.bench.thunderkittens_backends import refine_blocks, vsa_kv_block_sizes
+        from tessera_diffusers.bench.thunderkittens_backends import (
+            empty_query_blocks,
+            vsa_block_map_of,
+            vsa_kv_block_sizes,
+        )
 
-        blocks = refine_blocks(mask.blocks, mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv)
-        full = blocks.expand(batch, heads, -1, -1).reshape(1, batch * heads, *blocks.shape[-2:]).contiguous()
-        if not bool(full.any(-1).all()):
+        empty = empty_query_blocks(mask)
+        if empty:
             raise InvalidArgumentError("mask", "every query block with a key block (VSA has no empty rows)",
-                                       "a mask with empty query-block rows")
-        index, num = self.map_to_index(full)
+                                       f"{empty} empty query-block rows")
+        index, num = self.map_to_index(vsa_block_map_of(mask, batch, heads))
         return index, num, vsa_kv_block_sizes(mask.seq_len_kv, mask.blocks.device)
 
     def run(self, prepared, q, k, v):
-        from tessera_diffusers.bench.thunderkittens_backends import VSA_BLOCK, fold_heads
+        from tessera_diffusers.bench.thunderkittens_backends import vsa_fold, vsa_unfold
 
         batch, seq_q, heads, _ = q.shape
-        pad_q, pad_kv = (math.ceil(n / VSA_BLOCK) * VSA_BLOCK for n in (seq_q, k.shape[1]))
-        out, lse = self.ops.block_sparse_fwd(fold_heads(q, pad_q), fold_heads(k, pad_kv), fold_heads(v, pad_kv),
-                                             *prepared)
-        out = out.view(batch, heads, pad_q, -1)[:, :, :seq_q].permute(0, 2, 1, 3)
-        return out, lse.reshape(batch, heads, -1)[..., :seq_q].float()
+        out, lse = self.ops.block_sparse_fwd(*vsa_fold(q, k, v), *prepared)
+        return vsa_unfold(out, batch, heads, seq_q), lse.reshape(batch, heads, -1)[..., :seq_q].float()
 
     def attention(self, q, k, v, mask, *, slot, cache, return_lse=False, part=None):
         prepared = cache.plan(slot, (self.name, q.shape[0], q.shape[2], part),

@@ -127,10 +127,27 @@ def refine_blocks(blocks: torch.Tensor, block_q: int, block_kv: int, seq_q: int,
 def vsa_block_map(problem: Problem) -> torch.Tensor:
     """The problem's mask over 64 x 64 blocks with the batch folded into the heads:
     ``[1, B*H, ceil(Sq/64), ceil(Skv/64)]`` bool, contiguous."""
-    mask = problem.mask
+    return vsa_block_map_of(problem.mask, problem.batch, problem.heads)
+
+
+def vsa_block_map_of(mask: LogicalMask, batch: int, heads: int) -> torch.Tensor:
+    """``vsa_block_map`` of ``mask`` broadcast to ``batch`` x ``heads``."""
     blocks = refine_blocks(mask.blocks, mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv)
-    full = blocks.expand(problem.batch, problem.heads, -1, -1)
-    return full.reshape(1, problem.batch * problem.heads, full.shape[2], full.shape[3]).contiguous()
+    full = blocks.expand(batch, heads, -1, -1)
+    return full.reshape(1, batch * heads, full.shape[2], full.shape[3]).contiguous()
+
+
+def vsa_fold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
+    """q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]`` as VSA takes them: ``[1, B*H, S_pad, D]``, each
+    sequence zero-padded to whole 64-token blocks."""
+    pad_q = math.ceil(q.shape[1] / VSA_BLOCK) * VSA_BLOCK
+    pad_kv = math.ceil(k.shape[1] / VSA_BLOCK) * VSA_BLOCK
+    return fold_heads(q, pad_q), fold_heads(k, pad_kv), fold_heads(v, pad_kv)
+
+
+def vsa_unfold(out: torch.Tensor, batch: int, heads: int, seq_q: int) -> torch.Tensor:
+    """VSA's output ``[1, B*H, S_pad, D]`` as ``[B, Sq, H, D]`` (a view, padding rows dropped)."""
+    return out.view(batch, heads, out.shape[2], out.shape[3])[:, :, :seq_q].permute(0, 2, 1, 3)
 
 
 def vsa_kv_block_sizes(seq_kv: int, device: torch.device | str, block: int = VSA_BLOCK) -> torch.Tensor:
@@ -204,17 +221,14 @@ class VsaBackend(Backend):
         return index, num, vsa_kv_block_sizes(problem.seq_kv, problem.device)
 
     def convert(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
-        pad_q = math.ceil(q.shape[1] / VSA_BLOCK) * VSA_BLOCK
-        pad_kv = math.ceil(k.shape[1] / VSA_BLOCK) * VSA_BLOCK
-        return fold_heads(q, pad_q), fold_heads(k, pad_kv), fold_heads(v, pad_kv)
+        return vsa_fold(q, k, v)
 
     def run(self, prepared: Any, inputs: Inputs) -> torch.Tensor:
         index, num, sizes = prepared
         return self._ops.block_sparse_fwd(*inputs, index, num, sizes)[0]
 
     def to_bshd(self, out: torch.Tensor, problem: Problem) -> torch.Tensor:
-        b, h, s = problem.batch, problem.heads, problem.seq_q
-        return out.view(b, h, out.shape[2], out.shape[3])[:, :, :s].permute(0, 2, 1, 3)
+        return vsa_unfold(out, problem.batch, problem.heads, problem.seq_q)
 
     def describe(self) -> dict:
         return {"vsa": distribution_version(VSA_PACKAGE), "vsa_kernel": "fastvideo_kernel_ops.block_sparse_fwd (sm90 TK)",
