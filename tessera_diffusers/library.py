@@ -160,9 +160,10 @@ class TesseraGroupParams(ctypes.Structure):
     ]
 
 
-# TesseraStruct values of params.h: the mirrors of the optional parts are checked against the
-# library's sizes (tessera_struct_bytes) before their first use.
-STRUCT_IDS = {TesseraBlockMask: 2, TesseraPrepareParams: 3, TesseraMaskCountsParams: 4, TesseraGroupParams: 5}
+# TesseraStruct values of params.h: each mirror is checked against the library's size of its struct
+# (tessera_struct_bytes): the launch and merge parameters at load, the optional parts' before first use.
+STRUCT_IDS = {TesseraAttnParams: 0, TesseraMergeParams: 1, TesseraBlockMask: 2, TesseraPrepareParams: 3,
+              TesseraMaskCountsParams: 4, TesseraGroupParams: 5}
 
 # The C entry points the package calls (csrc/kernels/library.cu): those every library has, checked
 # at load, then those of each optional part.
@@ -246,8 +247,11 @@ def load_library() -> NativeLibrary:
             manifest = json.load(f)
         if manifest.get("kernels") != names:
             raise CatalogError(f"{manifest_path} does not list the kernels of {path}; rebuild the library")
+    lib = NativeLibrary(path, handle, {n: i for i, n in enumerate(names)}, manifest)
+    if lib.exports(("tessera_struct_bytes",)):
+        check_mirrors(lib, (TesseraAttnParams, TesseraMergeParams))
     log.info("native library %s: %d kernels, kernel sources %s", path, len(names), manifest.get("kernel_sources"))
-    return NativeLibrary(path, handle, {n: i for i, n in enumerate(names)}, manifest)
+    return lib
 
 
 def check_mirrors(lib: NativeLibrary, structs: tuple[type[ctypes.Structure], ...]) -> None:

@@ -190,6 +190,43 @@ def test_native_lib_override_must_be_a_tessera_library(monkeypatch):
         library.load_library.cache_clear()
 
 
+STUB_LIBRARY = r"""
+#include <stddef.h>
+int tessera_abi_version(void) { return ABI; }
+int tessera_num_kernels(void) { return 0; }
+const char* tessera_kernel_name(int id) { return NULL; }
+const char* tessera_error_string(int e) { return "stub"; }
+int tessera_attention_forward(int id, const void* p, void* s) { return 1; }
+int tessera_split_merge(const void* p, void* s) { return 1; }
+int tessera_struct_bytes(int which) { return which == WRONG ? SIZE : which == 0 ? ATTN : which == 1 ? MERGE : -1; }
+"""
+
+
+@pytest.mark.parametrize("struct", [library.TesseraAttnParams, library.TesseraMergeParams])
+def test_a_library_whose_launch_structs_differ_from_their_mirrors_is_refused_at_load(monkeypatch, tmp_path, struct):
+    """The launch and merge parameters cross the C ABI on every call: a library built from other
+    headers than the package's mirrors must fail at load, naming the struct, not misread fields."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a stand-in library")
+    source, path = tmp_path / "stub.c", tmp_path / "libstub.so"
+    source.write_text(STUB_LIBRARY)
+    wrong = ctypes.sizeof(struct) + 8
+    subprocess.run([compiler, "-shared", "-fPIC", f"-DABI={library.ABI_VERSION}", f"-DWRONG={library.STRUCT_IDS[struct]}",
+                    f"-DSIZE={wrong}", f"-DATTN={ctypes.sizeof(library.TesseraAttnParams)}",
+                    f"-DMERGE={ctypes.sizeof(library.TesseraMergeParams)}", "-o", str(path), str(source)], check=True)
+    monkeypatch.setenv("TESSERA_NATIVE_LIB", str(path))
+    library.load_library.cache_clear()
+    try:
+        with pytest.raises(CatalogError, match=f"{struct.__name__} has {wrong} bytes"):
+            library.load_library()
+    finally:
+        library.load_library.cache_clear()
+
+
 def test_a_runtime_in_use_can_be_deep_copied():
     """A model holding a Runtime (the processor's per-layer ones) must stay copyable (EMA copies,
     checkpoints in memory); the copy gets a lock of its own."""
