@@ -374,6 +374,11 @@ class TesseraHook(ModelHook):
         self.counter = StepCounter()
 
     def pre_forward(self, module: torch.nn.Module, *args, **kwargs) -> tuple[tuple[Any], dict[str, Any]]:
+        if torch.compiler.is_compiling():
+            # A compiled forward must not trace the step count (a guard per step, one graph per
+            # step): its attention calls find step, branch and grid as the processor alone does
+            # (the rotary table, the processor's own hook), each inside its opaque op (compiled.py).
+            return args, kwargs
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         grid = grid_from_latents(hidden_states.shape, self.patch) if isinstance(hidden_states, torch.Tensor) else None
         branch, step = self.counter.next(cache_context_of(self.state_manager), self.processor.branches)
@@ -381,6 +386,8 @@ class TesseraHook(ModelHook):
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return output
         self.processor.end_forward()
         return output
 

@@ -62,6 +62,7 @@ from .compat import (
     invalidate_child_registries,
     parallel_config_of,
 )
+from .compiled import CompiledCalls, register, returns_pair, traced_call
 from .context import (
     HOOK_NAME,
     ForwardContext,
@@ -201,6 +202,15 @@ class TesseraProcessor(torch.nn.Module):
         self.ulysses: Ulysses | None = None
         self.hook = ProcessorHook(self)
         HookRegistry.check_if_exists_or_initialize(self).register_hook(self.hook, CONTEXT_HOOK_NAME)
+        self.compile_key = register(self)  # how compiled graphs reach this processor (compiled.py)
+        self.compiled = CompiledCalls()
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.deepcopy, pickle) is a processor of its own: compiled graphs must not reach it
+        # under the original's key
+        super().__setstate__(state)
+        self.compile_key = register(self)
+        self.compiled = CompiledCalls()
 
     # ------------------------------------------------------------------ installation
     def attach(self, transformer: torch.nn.Module) -> TesseraProcessor:
@@ -350,7 +360,6 @@ class TesseraProcessor(torch.nn.Module):
             self.tessera_backend.reset_counts()
 
     # ------------------------------------------------------------------ the processor call
-    @torch.compiler.disable  # masks and plans are data-dependent host decisions: compiled graphs break here
     def __call__(
         self,
         attn: torch.nn.Module,
@@ -362,7 +371,26 @@ class TesseraProcessor(torch.nn.Module):
     ):
         """Wan calls ``(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)``
         positionally; the legacy ``Attention`` of HunyuanVideo-1.5 passes keywords and drops any
-        keyword the signature does not name — hence both ``rotary_emb`` and ``image_rotary_emb``."""
+        keyword the signature does not name — hence both ``rotary_emb`` and ``image_rotary_emb``.
+        Inside ``torch.compile`` the call becomes one opaque op that runs ``eager_call`` (compiled.py)."""
+        if torch.compiler.is_compiling():
+            return traced_call(
+                self, self.compile_key, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb,
+                image_rotary_emb,
+            )
+        return self.eager_call(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb)
+
+    @torch.compiler.disable  # masks and plans are data-dependent host decisions, never traced
+    def eager_call(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """The processor call, outside any compiled graph."""
         route = self.route_of(attn, encoder_hidden_states)
         if route.route is Route.WAN_SELF:  # the sparse routes refuse what they would otherwise ignore
             check_wan_self_attention_call(encoder_hidden_states, attention_mask, image_rotary_emb)
@@ -412,6 +440,14 @@ class TesseraProcessor(torch.nn.Module):
         return self.default_stock[cls]
 
     # ------------------------------------------------------------------ routes and context
+    def served_attention_modules(self) -> list[torch.nn.Module]:
+        """The attention modules this processor is installed on, in the transformers it knows: those
+        attached, the one whose forward is running, and every module it has routed."""
+        transformers = [*self.models, running_transformer()]
+        modules = [m for t in transformers if t is not None for m in t.modules()]
+        modules += list(self.routes.keys())
+        return [m for m in modules if getattr(m, "processor", None) is self]
+
     def route_of(self, attn: torch.nn.Module, encoder_hidden_states: torch.Tensor | None) -> ModuleRoute:
         route = self.routes.get(attn)
         if route is not None:
@@ -419,11 +455,7 @@ class TesseraProcessor(torch.nn.Module):
         # Not attached: recognise the call, number the transformer's layers in first-call order.
         if isinstance(attn, WanAttention) and encoder_hidden_states is None and not attn.is_cross_attention:
             kind = Route.WAN_SELF
-        elif (
-            isinstance(attn, Attention)
-            and encoder_hidden_states is not None
-            and getattr(attn, "add_q_proj", None) is not None
-        ):
+        elif returns_pair(attn, encoder_hidden_states):  # joint attention (HunyuanVideo-1.5)
             kind = Route.HV15_JOINT
         else:
             kind = Route.STOCK
