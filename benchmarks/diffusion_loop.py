@@ -18,6 +18,8 @@ Systems (``--systems``, run one after another on the same model and the same lat
     flex:<sp>           the same processor and masks, FlexAttention (compiled, its fastest tiles)
     flashinfer:<sp>     the same, FlashInfer's VariableBlockSparseAttentionWrapper
     vsa:<sp>            the same, FastVideo's VSA kernel (masks over multiples of 64 x 64 blocks)
+    <system>+compile    any of them, then ``transformer.compile_repeated_blocks(fullgraph=True)``
+                        (inductor; compiled in the untimed forward)
 
 Each system runs one untimed forward (compilation, autotuning) and then ``--steps`` denoising steps
 from ``--first-step`` under the pipelines' ``cache_context`` (one guidance branch; ``--cfg`` for
@@ -439,7 +441,24 @@ class SystemResult:
 
 
 def install(system: str, model, args, device: torch.device):
-    """Install ``system`` on ``model`` as a user would; returns (processor or None, uninstall)."""
+    """Install ``system`` on ``model`` as a user would; returns (processor or None, uninstall). A
+    ``+compile`` suffix then compiles the transformer as diffusers recommends,
+    ``compile_repeated_blocks(fullgraph=True)`` (inductor, default mode), undone by the uninstall."""
+    base, plus, suffix = system.partition("+")
+    if plus:
+        if suffix != "compile":
+            raise InvalidArgumentError("--systems", "a system, optionally with the suffix +compile", system)
+        processor, uninstall = install(base, model, args, device)
+        torch._dynamo.reset()
+        model.compile_repeated_blocks(fullgraph=True)
+
+        def uncompile():
+            for module in model.modules():
+                module._compiled_call_impl = None
+            torch._dynamo.reset()
+            uninstall()
+
+        return processor, uncompile
     originals = model.attn_processors
     kind, _, name = system.partition(":")
 
@@ -756,7 +775,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--systems",
         default="dense,one-liner,attach",
         help="comma-separated, run in this order: dense, stock, one-liner, attach, tessera:<sp>, flex:<sp>, "
-        f"flashinfer:<sp>, vsa:<sp> with <sp> one of {', '.join(SPARSIFIERS)}",
+        f"flashinfer:<sp>, vsa:<sp> with <sp> one of {', '.join(SPARSIFIERS)}; a suffix +compile compiles the "
+        "transformer's blocks (compile_repeated_blocks(fullgraph=True)) after installing the system",
     )
     parser.add_argument("--steps", type=int, default=None, help="denoising steps measured (default 3; smoke 2)")
     parser.add_argument(

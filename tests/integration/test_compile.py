@@ -12,7 +12,6 @@ import copy
 import pytest
 import torch
 import torch._dynamo
-from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.compiled import marker_of
 from tessera_diffusers.processors.tiny import (
@@ -23,6 +22,8 @@ from tessera_diffusers.processors.tiny import (
     wan_prompt_inputs,
     wan_transformer_inputs,
 )
+
+from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.sparsifiers import DenseWarmup, SSTASparsifier
 
 STEPS = 3
