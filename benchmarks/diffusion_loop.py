@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 from tessera_diffusers.processors import TesseraProcessor
+from tessera_diffusers.processors.compat import CACHE_CONTEXT_TAKES_STEP, DIFFUSERS_VERSION, cache_context
 from tessera_diffusers.processors.context import grid_from_latents, patch_size_of
 from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, WAN_DENSITY
 
@@ -519,7 +520,7 @@ def denoise_step(model, latents, extra, inputs, step: int, steps_total: int, bra
     model_in = latents if extra is None else torch.cat([latents, extra], 1)
     preds = []
     for branch in branches:
-        with model.cache_context(branch, step_index=step, num_inference_steps=steps_total):
+        with cache_context(model, branch, step, num_inference_steps=steps_total):
             preds.append(model(hidden_states=model_in, timestep=t, return_dict=False, **inputs)[0])
     velocity = preds[0] if len(preds) == 1 else preds[1] + 5.0 * (preds[0] - preds[1])
     return latents - velocity / steps_total, preds[0]
@@ -809,6 +810,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (2 if args.smoke else 3)
     if args.first_step is None:
         args.first_step = 0 if args.smoke else DEFAULT_WARMUP_STEPS
+    if args.first_step > 0 and not CACHE_CONTEXT_TAKES_STEP:
+        parser.error(f"--first-step {args.first_step}: diffusers {DIFFUSERS_VERSION}'s cache_context takes no step_index "
+                     "(0.41.0 does), so the processor would count this run's steps from 0; use --first-step 0")
     return args
 
 

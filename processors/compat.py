@@ -1,11 +1,9 @@
 """Every diffusers API the processors touch that is private or changed between releases, in one place.
 
-Supported: diffusers >= ``MIN_DIFFUSERS`` (0.41.0, pyproject.toml's lower bound), the first release
-where every processor test passes; checked up to 0.42.1 (``tests/integration/diffusers_versions.py`` runs the
-processor tests under any list of releases). The processors themselves also run on 0.36.0 - 0.40.0,
-which have both transformers (HunyuanVideo-1.5 arrived in 0.36.0), through the fallbacks below; the
-tests they fail there open ``cache_context(name, step_index=...)``, a 0.41.0 API, in the tests'
-own helpers. Older than 0.36.0, importing the processors raises ``DiffusersVersionError``.
+Supported: diffusers >= ``MIN_DIFFUSERS`` (0.36.0, pyproject.toml's lower bound), the first release
+with both transformers (HunyuanVideo-1.5 arrived in 0.36.0), through the fallbacks below; checked on
+0.36.0, 0.38.0, 0.40.0 and up to 0.42.1 (``tests/integration/diffusers_versions.py`` runs the processor
+tests under any list of releases). Older than 0.36.0, importing the processors raises ``DiffusersVersionError``.
 The rest of ``processors/`` imports diffusers only through this module, except ``tiny.py``, which
 builds test pipelines from diffusers' public top-level names.
 
@@ -24,6 +22,7 @@ that has the attribute, so ``TesseraProcessor`` defines them itself:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +31,7 @@ from diffusers import __version__ as DIFFUSERS_VERSION
 
 from tessera_diffusers.errors import TesseraError
 
-MIN_DIFFUSERS = "0.41.0"  # the oldest release the processor tests pass on (pyproject.toml's lower bound)
+MIN_DIFFUSERS = "0.36.0"  # the first release with both transformers (pyproject.toml's lower bound)
 
 
 class DiffusersVersionError(TesseraError, ImportError):
@@ -68,6 +67,9 @@ from diffusers.models.attention_processor import (
     Attention,  # the legacy module of HunyuanVideo-1.5's joint attention: route recognition (<= 0.32)
     AttnProcessor2_0,  # stock processor of a module that declares no default processor class (<= 0.32)
 )
+from diffusers.models.cache_utils import (
+    CacheMixin,  # cache_context, as the pipelines open it (0.33.0); with the step's fields (0.41.0)
+)
 from diffusers.models.embeddings import (
     apply_rotary_emb,  # RoPE on HunyuanVideo-1.5's video Q/K as its stock processor applies it (sequence_dim: 0.35.0)
 )
@@ -78,6 +80,11 @@ from diffusers.models.transformers.transformer_wan import (
 )
 from diffusers.models.transformers.transformer_wan import (
     _get_qkv_projections as wan_qkv_projections,  # Wan2.1's Q/K/V (or fused to_qkv) as stock makes them (0.35.0)
+)
+
+# Whether ``cache_context`` takes the step (``step_index=...``, 0.41.0) besides the branch name.
+CACHE_CONTEXT_TAKES_STEP = any(
+    p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(CacheMixin.cache_context).parameters.values()
 )
 
 # Both video transformers: the classes ``running_transformer`` looks for on the call stack.
@@ -105,6 +112,15 @@ def cache_context_of(manager: StateManager) -> Any:
             return None
     name = getattr(manager, "_current_context", None)
     return None if name is None else NamedCacheContext(name)
+
+
+def cache_context(model: torch.nn.Module, name: str, step_index: int | None = None, **step_info: Any):
+    """``model.cache_context(name, step_index=..., ...)`` where the release takes the step (0.41.0),
+    else ``model.cache_context(name)``, as the pipelines of 0.36.0 - 0.40.0 open it (the processor
+    then counts the steps itself). For loops written outside a pipeline: tests, benchmarks."""
+    if step_index is None or not CACHE_CONTEXT_TAKES_STEP:
+        return model.cache_context(name)
+    return model.cache_context(name, step_index=step_index, **step_info)
 
 
 def hook_registry_of(module: torch.nn.Module) -> HookRegistry | None:

@@ -7,13 +7,16 @@ the grid.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import pytest
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15RotaryPosEmbed
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from tessera_diffusers.processors import TesseraProcessor
+from tessera_diffusers.processors.compat import cache_context, cached_child_registries, hook_registry_of
 from tessera_diffusers.processors.context import GridReader, Route, grid_from_rotary
 from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, default_sparsifier
 from tessera_diffusers.processors.tiny import (
@@ -154,8 +157,7 @@ def loop(model, forward, image, resolutions, with_step_index):
         for frames, size in resolutions:
             for step in range(2):
                 for branch in ("cond", "uncond"):
-                    kwargs = {"step_index": step} if with_step_index else {}
-                    with model.cache_context(branch, **kwargs):
+                    with cache_context(model, branch, step if with_step_index else None):
                         outs.append(forward(model, frames, size, image, seed=step))
             model._reset_stateful_cache()  # the end of a pipeline run
     return outs
@@ -222,7 +224,7 @@ def test_defaults_are_chosen_per_model_and_shown():
     model.set_attn_processor(processor)
     with torch.no_grad():
         for step in range(DEFAULT_WARMUP_STEPS + 1):
-            with model.cache_context("cond", step_index=step):
+            with cache_context(model, "cond", step):
                 wan_forward(model, 12, 32, False, seed=0)  # a 12 x 16 x 16 grid: 8 of the default's tiles
     stats = processor.stats()
     assert set(stats["sparsifiers"]) == {"wan_self_attention"}
@@ -238,7 +240,7 @@ def test_timing_and_plan_reuse_are_reported():
     model.set_attn_processor(processor)
     with torch.no_grad():
         for step in range(4):
-            with model.cache_context("cond", step_index=step):
+            with cache_context(model, "cond", step):
                 wan_forward(model, 3, 16, False, seed=step)
     stats = processor.stats()
     assert stats["attention_ms"] > 0 and stats["attention_calls"] == 2 * 4
@@ -254,7 +256,7 @@ def test_one_step_masks_are_not_kept_and_the_budget_follows_the_model():
     model.set_attn_processor(processor)
     with torch.no_grad():
         for step in range(3):
-            with model.cache_context("cond", step_index=step):
+            with cache_context(model, "cond", step):
                 wan_forward(model, 3, 16, False, seed=step)
     report = processor.stats()["cache"]
     assert report["slots"] == 0 and report["bytes"] == 0
@@ -285,13 +287,28 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_name, recompute_e
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@contextlib.contextmanager
+def told_of_a_late_install(model):
+    """The processor's warning about a cache_context opened before it was installed, where the
+    release caches a transformer's hook list (0.38.0); where it does not (each cache_context walks
+    the module tree), the processor's hook is reached at once and nothing must be said."""
+    message = "opened a cache_context before TesseraProcessor was installed"
+    if cached_child_registries(hook_registry_of(model)) is not None:
+        with pytest.warns(UserWarning, match=message):
+            yield
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=f".*{message}")
+            yield
+
+
 def test_installed_after_a_cache_context_the_processor_says_so_and_then_sees_the_steps():
     model = tiny_wan_transformer(num_layers=1)
-    with torch.no_grad(), model.cache_context("cond", step_index=0):
+    with torch.no_grad(), cache_context(model, "cond", 0):
         wan_forward(model, 3, 16, False, seed=0)  # a dense run first: diffusers caches its hook list
     log = MaskLog(sparse_sparsifier())
     model.set_attn_processor(TesseraProcessor(log))
-    with pytest.warns(UserWarning, match="opened a cache_context before TesseraProcessor was installed"):
+    with told_of_a_late_install(model):
         loop(model, wan_forward, False, [(3, 16)], with_step_index=True)
     # the first forward counted without context (step 0); from the next one on, the pipeline's steps
     assert [step for _, step, *_ in log.seen] == [0, 0, 1, 1]
@@ -305,7 +322,7 @@ def test_installed_after_a_pipeline_run_the_steps_of_both_branches_stay_right():
     pipe(**hunyuan_video15_prompt_inputs(), **call, generator=torch.Generator().manual_seed(0))  # stock first
     log = MaskLog(sparse_sparsifier())
     pipe.transformer.set_attn_processor(TesseraProcessor(log))
-    with pytest.warns(UserWarning, match="opened a cache_context"):
+    with told_of_a_late_install(pipe.transformer):
         pipe(**hunyuan_video15_prompt_inputs(), **call, generator=torch.Generator().manual_seed(0))
     layers = pipe.transformer.config.num_layers
     assert [step for _, step, *_ in log.seen] == [step for step in range(steps) for _ in range(2 * layers)]

@@ -16,6 +16,7 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from tessera_diffusers.processors import ForwardContext, TesseraProcessor
+from tessera_diffusers.processors.compat import cache_context
 from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
 
 from tessera_diffusers import InvalidArgumentError, LogicalMask
@@ -108,8 +109,7 @@ def play(models: dict, forward, with_step_index: bool, after=None) -> list[torch
                 model._reset_stateful_cache()  # what a pipeline does at the end of its run
             else:
                 for branch in ("cond", "uncond"):
-                    kwargs = {"step_index": step} if with_step_index else {}
-                    with model.cache_context(branch, **kwargs):
+                    with cache_context(model, branch, step if with_step_index else None):
                         outs.append(forward(model, seed=10 * step + (name == "B")))
             if after is not None:
                 after((name, step))

@@ -17,6 +17,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_hunyuan_video15, transformer_wan
 from tessera_diffusers.processors import ForwardContext, TesseraProcessor
+from tessera_diffusers.processors.compat import cache_context
 from tessera_diffusers.processors.tiny import hunyuan_video15_transformer_inputs as hv15_inputs
 from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
 from tessera_diffusers.processors.tiny import wan_transformer_inputs as wan_inputs
@@ -252,8 +253,7 @@ class Recording:
 def denoise(model, inputs, steps: int, branches=("cond", "uncond"), step_index: bool = True):
     for step in range(steps):
         for branch in branches:
-            kwargs = {"step_index": step} if step_index else {}
-            with model.cache_context(branch, **kwargs):
+            with cache_context(model, branch, step if step_index else None):
                 run(model, inputs)
 
 
