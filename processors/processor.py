@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -116,9 +117,9 @@ class TesseraProcessor(torch.nn.Module):
     the pipeline's ``cache_context`` and end-of-run reset reach its hook (see ``context.py``). One
     instance may serve several transformers (Wan2.2's ``transformer`` and ``transformer_2``, two
     pipelines): each keeps its own layers, steps, masks and plans, one's end of run leaves the
-    others' alone, and ``stats()`` reports their totals. It follows one forward at a time: pipelines
-    that run in parallel threads each need a processor of their own (its ``Runtime``\ s, and
-    ``tessera_diffusers.Runtime`` in general, may be shared between threads).
+    others' alone, and ``stats()`` reports their totals. Threads may share it, each running its own
+    transformer (one processor call at a time under its lock; ``attach``'s forward context is per
+    thread); two threads in one transformer at once are two runs diffusers itself cannot tell apart.
 
     Args:
         sparsifier: makes the video masks; None: the per-model default (``default_sparsifier``).
@@ -187,7 +188,8 @@ class TesseraProcessor(torch.nn.Module):
         self.loose_model: int | None = None  # the index of calls made outside any known transformer
         self.model_count = 0
         self.runs: dict[int, ModelRun] = {}  # model index -> its run in progress (from its first sparse call)
-        self.active: ForwardContext | None = None  # attach's context of the running forward
+        self._lock = threading.RLock()  # one processor call, run reset or hook event at a time
+        self._forward = threading.local()  # attach's context of the forward running in each thread
         self.last_context: dict[ModuleRoute, ForwardContext] = {}  # for recomputation in backward
         self.refreshed: weakref.WeakSet = weakref.WeakSet()  # transformers whose hook cache was checked
         self.memo = IdentityMemo()
@@ -205,12 +207,28 @@ class TesseraProcessor(torch.nn.Module):
         self.compile_key = register(self)  # how compiled graphs reach this processor (compiled.py)
         self.compiled = CompiledCalls()
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_lock"], state["_forward"]
+        return state
+
     def __setstate__(self, state: dict) -> None:
-        # a copy (copy.deepcopy, pickle) is a processor of its own: compiled graphs must not reach it
-        # under the original's key
+        # a copy (copy.deepcopy, pickle) is a processor of its own: its own lock and per-thread
+        # context, and a key of its own, so that compiled graphs do not reach it under the original's
         super().__setstate__(state)
+        self._lock = threading.RLock()
+        self._forward = threading.local()
         self.compile_key = register(self)
         self.compiled = CompiledCalls()
+
+    @property
+    def active(self) -> ForwardContext | None:
+        """``attach``'s context of the forward running in this thread (its hook sets it), or None."""
+        return getattr(self._forward, "context", None)
+
+    @active.setter
+    def active(self, context: ForwardContext | None) -> None:
+        self._forward.context = context
 
     # ------------------------------------------------------------------ installation
     def attach(self, transformer: torch.nn.Module) -> TesseraProcessor:
@@ -318,46 +336,49 @@ class TesseraProcessor(torch.nn.Module):
         """Forget the masks, plans and step count of one transformer's run (``model``: its index), or
         of every run (None): a new video. The hooks call it when a pipeline's run ends; the helper
         masks shared by every transformer (dense text parts) go with the last run in progress."""
-        self.memo.clear()  # derived from live tensors only: a cache, not run state
-        if model is not None:
-            alive = {*self.model_ids.values(), self.loose_model}
-            ended = {model, *(m for m in self.runs if m not in alive)}  # and the runs of collected transformers
-            for index in ended:
-                self.runs.pop(index, None)
-                self.cache.clear(index)
-            self.last_context = {route: call for route, call in self.last_context.items() if route.model not in ended}
-            if self.active is not None and self.active.model in ended:
-                self.active = None
-            if self.runs:  # another transformer is mid-run: its masks, plans and counts stay
-                return
-        self.runs.clear()
-        self.cache.clear()
-        self.last_context.clear()
-        self.active = None
+        with self._lock:
+            self.memo.clear()  # derived from live tensors only: a cache, not run state
+            if model is not None:
+                alive = {*self.model_ids.values(), self.loose_model}
+                ended = {model, *(m for m in self.runs if m not in alive)}  # and the runs of collected transformers
+                for index in ended:
+                    self.runs.pop(index, None)
+                    self.cache.clear(index)
+                self.last_context = {route: call for route, call in self.last_context.items() if route.model not in ended}
+                if self.active is not None and self.active.model in ended:
+                    self.active = None
+                if self.runs:  # another transformer is mid-run: its masks, plans and counts stay
+                    return
+            self.runs.clear()
+            self.cache.clear()
+            self.last_context.clear()
+            self.active = None
 
     def run_ended(self, transformer: torch.nn.Module | None) -> None:
         """A reset of ``transformer``'s stateful hooks reached the processor (the end of its pipeline
         run): forget that transformer's run; every run when it cannot be told (None)."""
-        if transformer is None:
-            self.new_run()
-            return
-        model = self.model_ids.get(transformer, self.loose_model)
-        if model is not None:
-            self.new_run(model)
+        with self._lock:
+            if transformer is None:
+                self.new_run()
+                return
+            model = self.model_ids.get(transformer, self.loose_model)
+            if model is not None:
+                self.new_run(model)
 
     def reset(self) -> None:
         """``new_run`` of every transformer's run and zero every counter of ``stats()``."""
-        self.new_run()
-        self.cache.stats = CacheStats()
-        self.calls = {route: 0 for route in Route}
-        self.sparse_calls = 0
-        self.dense_calls = 0
-        self.density_sum = None
-        self.masks_computed = 0
-        if self.timer is not None:
-            self.timer.reset()
-        if self.tessera_backend is not None:
-            self.tessera_backend.reset_counts()
+        with self._lock:
+            self.new_run()
+            self.cache.stats = CacheStats()
+            self.calls = {route: 0 for route in Route}
+            self.sparse_calls = 0
+            self.dense_calls = 0
+            self.density_sum = None
+            self.masks_computed = 0
+            if self.timer is not None:
+                self.timer.reset()
+            if self.tessera_backend is not None:
+                self.tessera_backend.reset_counts()
 
     # ------------------------------------------------------------------ the processor call
     def __call__(
@@ -390,30 +411,31 @@ class TesseraProcessor(torch.nn.Module):
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
-        """The processor call, outside any compiled graph."""
-        route = self.route_of(attn, encoder_hidden_states)
-        if route.route is Route.WAN_SELF:  # the sparse routes refuse what they would otherwise ignore
-            check_wan_self_attention_call(encoder_hidden_states, attention_mask, image_rotary_emb)
-        elif route.route is Route.HV15_JOINT:
-            check_joint_attention_call(encoder_hidden_states, attention_mask, rotary_emb)
-        recomputing = in_backward()  # activation checkpointing replays this call in the backward pass
-        if not recomputing:
-            self.calls[route.route] += 1
-        if route.route is Route.STOCK:
-            return self.call_stock(
-                attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb
+        """The processor call, outside any compiled graph; one at a time (threads may share a processor)."""
+        with self._lock:
+            route = self.route_of(attn, encoder_hidden_states)
+            if route.route is Route.WAN_SELF:  # the sparse routes refuse what they would otherwise ignore
+                check_wan_self_attention_call(encoder_hidden_states, attention_mask, image_rotary_emb)
+            elif route.route is Route.HV15_JOINT:
+                check_joint_attention_call(encoder_hidden_states, attention_mask, rotary_emb)
+            recomputing = in_backward()  # activation checkpointing replays this call in the backward pass
+            if not recomputing:
+                self.calls[route.route] += 1
+            if route.route is Route.STOCK:
+                return self.call_stock(
+                    attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb
+                )
+            rotary = rotary_emb if route.route is Route.WAN_SELF else image_rotary_emb
+            call = self.context_for(route, hidden_states.shape[1], rotary, recomputing)
+            if self.cache.max_bytes is None:
+                self.cache.max_bytes = CACHE_SCALE * hidden_states.numel() * hidden_states.element_size()
+            if self.ulysses is not None:  # context parallelism: ulysses.py
+                return ulysses_processor_call(self, attn, hidden_states, rotary_emb, route, call)
+            if route.route is Route.WAN_SELF:
+                return wan_self_attention(self, attn, hidden_states, rotary_emb, route, call)
+            return hunyuan_video15_joint_attention(
+                self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, route, call
             )
-        rotary = rotary_emb if route.route is Route.WAN_SELF else image_rotary_emb
-        call = self.context_for(route, hidden_states.shape[1], rotary, recomputing)
-        if self.cache.max_bytes is None:
-            self.cache.max_bytes = CACHE_SCALE * hidden_states.numel() * hidden_states.element_size()
-        if self.ulysses is not None:  # context parallelism: ulysses.py
-            return ulysses_processor_call(self, attn, hidden_states, rotary_emb, route, call)
-        if route.route is Route.WAN_SELF:
-            return wan_self_attention(self, attn, hidden_states, rotary_emb, route, call)
-        return hunyuan_video15_joint_attention(
-            self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, route, call
-        )
 
     def call_stock(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb):
         processor = self.stock.get(attn) or self.stock_processor_for(attn)

@@ -322,3 +322,65 @@ def test_hunyuan_video15_joint_route_keeps_its_text_mask():
 def stock_hv15(seed: int) -> torch.Tensor:
     with torch.no_grad():
         return hv15_forward(tiny_hunyuan_video15_transformer(num_layers=1), seed=seed)
+
+
+def test_one_processor_serves_eight_threads_each_running_its_own_transformer():
+    """8 threads x 500 processor calls through one processor, each thread denoising its own attached
+    transformer (dense warm-up, then masks kept for two steps): no exception, the step cache within its
+    bound, and every thread's outputs equal to the same transformer's run alone."""
+    import sys
+    import threading
+
+    from tessera_diffusers.sparsifiers import DenseWarmup, SSTASparsifier
+
+    threads, forwards = 8, 125  # 2 layers x (self + cross attention) = 4 processor calls per forward
+
+    def sparsifier():
+        return DenseWarmup(SSTASparsifier(tile=(1, 4, 4), window=(1, 1, 1), top_k=1), steps=1)
+
+    def inputs(index: int, step: int) -> dict:
+        gen = torch.Generator().manual_seed(1000 * index + step)
+        return {"hidden_states": torch.randn(1, 4, 2, 16, 16, generator=gen), "timestep": torch.tensor([500]),
+                "encoder_hidden_states": torch.randn(1, 12, 16, generator=gen)}
+
+    def run(model, index: int) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [model(**inputs(index, step)).sample for step in range(forwards)]
+
+    alone = []
+    for index in range(threads):
+        model = tiny_wan_transformer(num_layers=2)
+        TesseraProcessor(sparsifier(), recompute_every=2).attach(model)
+        alone.append(run(model, index))
+
+    shared = TesseraProcessor(sparsifier(), recompute_every=2, cache_bytes=64 * 1024)
+    models = [tiny_wan_transformer(num_layers=2) for _ in range(threads)]
+    for model in models:
+        shared.attach(model)
+    together, errors, cache_bytes = [None] * threads, [], []
+
+    def worker(index: int) -> None:
+        try:
+            together[index] = run(models[index], index)
+            cache_bytes.append(shared.cache.report()["bytes"])
+        except Exception as err:  # noqa: BLE001 - any exception is the finding
+            errors.append(f"thread {index}: {err!r}")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often
+    try:
+        workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    for index in range(threads):
+        for step, (got, want) in enumerate(zip(together[index], alone[index], strict=True)):
+            assert torch.equal(got, want), f"thread {index} step {step}"
+    stats = shared.stats()
+    assert sum(stats["calls"].values()) == threads * forwards * 4
+    assert stats["sparse_calls"] == threads * (forwards - 1) * 2
+    assert max(cache_bytes) <= 64 * 1024
