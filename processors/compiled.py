@@ -114,9 +114,13 @@ class CompiledCalls:
         return refs[1]()
 
 
-@torch.library.custom_op(
-    "tessera::processor_call", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
-)
+# A CUDA graph would replay the op's first launches and freeze its host decisions: the tag keeps the op
+# out of inductor's CUDA graphs. Torch releases without the tag cannot say so; there, do not compile
+# with mode="reduce-overhead".
+_UNSAFE_IN_CUDA_GRAPHS = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
+
+
+@torch.library.custom_op("tessera::processor_call", mutates_args=(), **_UNSAFE_IN_CUDA_GRAPHS)
 def processor_call(
     processor: int,
     marker: torch.Tensor,
