@@ -44,6 +44,12 @@ def aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(st % elems == 0 for st in t.stride()[:3])
 
 
+def with_aligned_loads(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a fresh contiguous copy where its base or strides break ``aligned`` (a contiguous
+    view at an odd storage offset too, which ``contiguous()`` would hand back unchanged)."""
+    return t if aligned(t) else t.clone(memory_format=torch.contiguous_format)
+
+
 def fill_strides(field, strides: tuple[int, ...]) -> None:
     for i in range(3):
         field[i] = strides[i]
@@ -73,7 +79,7 @@ def sparse_attention_fwd(
     (``check_launch``); the metadata's values are trusted: build them with ``prepare``."""
     spec = kernel_spec_named(kernel)
     config = check_launch(q, k, v, spec, (tile_counts, tile_slots, tile_member, q_order, q_units), config)
-    q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
+    q, k, v = (with_aligned_loads(t) for t in (q, k, v))
     out, lse, workspace, _ = output_buffers(q, config.num_splits, True)
     launch(q, k, v, tile_counts, tile_slots, tile_member, q_order, kernel, config, scale, out, lse, workspace,
            q_units)
@@ -353,7 +359,7 @@ def dynamic_schedule(plan: PhysicalPlan) -> bool:
 
 def run_direct(prepared, q, k, v, scale, return_lse):
     """``run_native``'s eager path (same contract): cached template, output allocation, one launch."""
-    q, k, v = (t if aligned(t) else t.contiguous() for t in (q, k, v))
+    q, k, v = (with_aligned_loads(t) for t in (q, k, v))
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.device, k.device, v.device, scale)
     templates = prepared.launch_state.templates

@@ -132,3 +132,21 @@ def test_persistent_hopper_launches_count_tasks_in_their_own_output(launches, mo
         ops.run_direct(other, q, k, v, 0.1, False)
         assert launches[-1][1].task_counter is None
     ops.unbound_template.cache_clear()  # no template with this test's grid size outlives it
+
+
+def test_tensors_the_kernels_cannot_load_are_copied_to_aligned_storage():
+    """cp.async and TMA read 16-byte chunks: a view at an odd storage offset is copied even when it is
+    contiguous (``contiguous()`` would return it as it is), a strided view too; aligned ones pass."""
+    from tessera_diffusers.ops import aligned, with_aligned_loads
+
+    base = torch.randn(1 * 64 * 2 * 128 + 1, dtype=torch.bfloat16)
+    shifted = base[1:].view(1, 64, 2, 128)  # contiguous, base 2 bytes past an aligned address
+    assert shifted.is_contiguous() and not aligned(shifted) and not aligned(shifted.contiguous())
+    copy = with_aligned_loads(shifted)
+    assert aligned(copy) and torch.equal(copy, shifted)
+    strided = torch.randn(1, 64, 3, 128, dtype=torch.bfloat16)[:, :, 1:, :]  # h stride 128, s stride 384
+    assert with_aligned_loads(strided) is strided  # its strides are multiples of 8 elements
+    odd = torch.randn(1, 64, 2, 132, dtype=torch.bfloat16)[..., :128]  # s stride 264, h stride 132
+    assert not aligned(odd) and aligned(with_aligned_loads(odd)) and torch.equal(with_aligned_loads(odd), odd)
+    ok = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    assert with_aligned_loads(ok) is ok
