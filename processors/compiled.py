@@ -145,13 +145,14 @@ def processor_call(
             "the latent grid from attach's hook, which a compiled forward does not run)",
             "a compiled forward with enable_parallelism", hint="run context-parallel transformers eagerly",
         )
-    attn = owner.compiled.module_of(marker, owner.served_attention_modules)
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin)
-    out = owner.eager_call(
-        attn, hidden_states, encoder_hidden_states, attention_mask,
-        rotary if rotary_argument == ROTARY_EMB else None,
-        rotary if rotary_argument == IMAGE_ROTARY_EMB else None,
-    )
+    with owner._lock:  # the marker index, like the rest of the processor, one call at a time
+        attn = owner.compiled.module_of(marker, owner.served_attention_modules)
+        out = owner.eager_call(
+            attn, hidden_states, encoder_hidden_states, attention_mask,
+            rotary if rotary_argument == ROTARY_EMB else None,
+            rotary if rotary_argument == IMAGE_ROTARY_EMB else None,
+        )
     outs = list(out) if pair else [out]
     inputs = [hidden_states, encoder_hidden_states] if pair else [hidden_states]
     for i, (result, given) in enumerate(zip(outs, inputs)):
