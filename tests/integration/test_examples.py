@@ -157,3 +157,25 @@ def test_task_and_checkpoint_mismatches_are_refused(name, t2v, i2v, tmp_path, im
 )
 def test_argument_errors_are_clear(argv, message, capsys):
     assert message in run_refused("wan21", argv, capsys)
+
+
+@pytest.mark.parametrize("name", ["wan21", "hunyuanvideo15"])
+def test_compile_runs_the_blocks_compiled_with_fullgraph(name, tmp_path):
+    """--compile: compile_repeated_blocks(fullgraph=True) around the processor's opaque op (eager
+    backend here: the trace is what --compile adds; inductor's kernels are the GPU's business)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    module = load(name)
+    small = ["--tiny", "--steps", "2", "--warmup-steps", "1", "--layers", "1", "--height", "64", "--width", "64",
+             "--frames", "5"]
+    original = torch.compile
+
+    def eager_backend(*args, **kwargs):
+        return original(*args, **{**kwargs, "backend": "eager"})
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "compile", eager_backend)
+        summary = module.main([*small, "--compile", "--out", str(tmp_path / "compiled.mp4")])
+    torch._dynamo.reset()
+    assert summary["sparse_calls"] > 0
