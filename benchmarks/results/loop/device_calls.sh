@@ -63,45 +63,22 @@ echo "=== gpu tests $(date +%T)"
 timeout 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider > $OUT/gpu_tests.log 2>&1; echo "rc=$?"; tail -3 $OUT/gpu_tests.log
 grep -E "FAILED|ERROR" $OUT/gpu_tests.log | head -20
 echo "=== done $(date +%T)"
-# Call 2: the offload test again, then the Wan2.1 720p full-depth loop: one-liner eager and compiled, dense eager and compiled.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-T0=$(date +%s); el() { echo "=== [$(( $(date +%s) - T0 )) s] $*"; }
-mkdir -p /tmp/site && { [ -d /tmp/site/diffusers ] || { tar xJf .device_build/diffusers.tar.xz -C /tmp/site && tar xJf .device_build/extras.tar.xz -C /tmp/site; }; }
-[ -e tessera_diffusers/processors ] || ln -s ../processors tessera_diffusers/processors
-[ -f tessera_diffusers/_native/libtessera_kernels.so ] || { mkdir -p tessera_diffusers/_native && xz -T8 -dc .device_build/after_lib.so.xz > tessera_diffusers/_native/libtessera_kernels.so && cp .device_build/after_manifest.json tessera_diffusers/_native/manifest.json; }
-export PYTHONPATH=/tmp/site:$PWD
-el "offload + quantization tests"
-timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_combinations_gpu.py > $OUT/combinations.log 2>&1; echo "rc=$?"; tail -3 $OUT/combinations.log
-grep -E "^(FAILED|ERROR|SKIPPED)|Error" $OUT/combinations.log | cut -c1-250 | head
-el "wan loop"
-timeout 480 python3 benchmarks/diffusion_loop.py --out $OUT/wan --models wan --systems one-liner,one-liner+compile,dense,dense+compile --steps 3 --max-minutes 6.8 --progress > $OUT/wan.log 2>&1; echo "loop rc=$?"
-grep -E "^\[wan\]" $OUT/wan.log | cut -c1-200
-grep -A8 "^| system" $OUT/wan/diffusion_loop.md | head -8
-el done
-# Call 2: the offload test again, then the Wan2.1 720p full-depth loop: one-liner eager and compiled, dense eager and compiled.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-T0=$(date +%s); el() { echo "=== [$(( $(date +%s) - T0 )) s] $*"; }
-mkdir -p /tmp/site && { [ -d /tmp/site/diffusers ] || { tar xJf .device_build/diffusers.tar.xz -C /tmp/site && tar xJf .device_build/extras.tar.xz -C /tmp/site; }; }
-[ -e tessera_diffusers/processors ] || ln -s ../processors tessera_diffusers/processors
-[ -f tessera_diffusers/_native/libtessera_kernels.so ] || { mkdir -p tessera_diffusers/_native && xz -T8 -dc .device_build/after_lib.so.xz > tessera_diffusers/_native/libtessera_kernels.so && cp .device_build/after_manifest.json tessera_diffusers/_native/manifest.json; }
-export PYTHONPATH=/tmp/site:$PWD
-el skip; if false; then
-timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_combinations_gpu.py > $OUT/combinations.log 2>&1; echo "rc=$?"; tail -3 $OUT/combinations.log
-grep -E "^(FAILED|ERROR|SKIPPED)|Error" $OUT/combinations.log | cut -c1-250 | head
-fi; el "hv15 loop"
-timeout 480 python3 benchmarks/diffusion_loop.py --out $OUT/hv15 --models hv15 --systems one-liner,one-liner+compile,dense,dense+compile --steps 3 --max-minutes 6.8 --progress > $OUT/hv15.log 2>&1; echo "loop rc=$?"
-grep -E "^\[hv15\]" $OUT/hv15.log | cut -c1-200
-grep -A8 "^| system" $OUT/hv15/diffusion_loop.md | head -8
-el done
-# Call 4: every GPU test of the tree.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/site && { [ -d /tmp/site/diffusers ] || { tar xJf .device_build/diffusers.tar.xz -C /tmp/site && tar xJf .device_build/extras.tar.xz -C /tmp/site; }; }
-[ -e tessera_diffusers/processors ] || ln -s ../processors tessera_diffusers/processors
-[ -f tessera_diffusers/_native/libtessera_kernels.so ] || { mkdir -p tessera_diffusers/_native && xz -T8 -dc .device_build/after_lib.so.xz > tessera_diffusers/_native/libtessera_kernels.so && cp .device_build/after_manifest.json tessera_diffusers/_native/manifest.json; }
-export PYTHONPATH=/tmp/site:$PWD
-git log --oneline -1 | tee $OUT/gpu_tests.log
-timeout 470 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs --durations=8 >> $OUT/gpu_tests.log 2>&1; echo "tests rc=$?"; tail -14 $OUT/gpu_tests.log
-grep -E "^(FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-250 | head
+# The compile and combination calls (`compile/`, `gpu_tests.log`); each sources this setup first:
+# diffusers and the extras (accelerate, peft, torchao, bitsandbytes) as carried wheel contents, the library prebuilt.
+setup() {
+  set -o pipefail; export PYTHONUNBUFFERED=1
+  mkdir -p /tmp/site && { [ -d /tmp/site/diffusers ] || { tar xJf .device_build/diffusers.tar.xz -C /tmp/site && tar xJf .device_build/extras.tar.xz -C /tmp/site; }; }
+  [ -e tessera_diffusers/processors ] || ln -s ../processors tessera_diffusers/processors
+  [ -f tessera_diffusers/_native/libtessera_kernels.so ] || { mkdir -p tessera_diffusers/_native && xz -T8 -dc .device_build/after_lib.so.xz > tessera_diffusers/_native/libtessera_kernels.so && cp .device_build/after_manifest.json tessera_diffusers/_native/manifest.json; }
+  export PYTHONPATH=/tmp/site:$PWD
+}
+# Call A: the combination tests, then Wan2.1 720p full depth, eager and compiled; call B: the same loop on HunyuanVideo-1.5.
+setup
+python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_combinations_gpu.py > $OUT/gpu_tests.log 2>&1
+for model in wan hv15; do  # one device call each
+  python3 benchmarks/diffusion_loop.py --out $OUT/$model --models $model --systems one-liner,one-liner+compile,dense,dense+compile \
+    --steps 3 --max-minutes 6.8 --progress > $OUT/$model.log 2>&1
+done
+# Call C: every GPU test of the tree.
+setup
+python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs --durations=8 >> $OUT/gpu_tests.log 2>&1
