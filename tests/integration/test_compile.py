@@ -26,20 +26,9 @@ from tessera_diffusers.processors.tiny import (
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.sparsifiers import DenseWarmup, SSTASparsifier
 
+from .test_processors_pipelines import Recording  # the sparsifier wrapper that logs (layer, step, grid)
+
 STEPS = 3
-
-
-class Recording:
-    def __init__(self, inner):
-        self.inner = inner
-        self.seen = []
-
-    def layout(self, grid):
-        return self.inner.layout(grid)
-
-    def __call__(self, q, k, *, layer, step, grid):
-        self.seen.append((layer, step, grid))
-        return self.inner(q, k, layer=layer, step=step, grid=grid)
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +58,7 @@ MODELS = {
 }
 
 
-def sparse_processor(tile, attach_to=None):
+def sparse_processor(tile):
     sparsifier = Recording(DenseWarmup(SSTASparsifier(tile=tile, window=(1, 1, 1), top_k=2), steps=1))
     processor = TesseraProcessor(sparsifier)
     return processor, sparsifier
