@@ -14,8 +14,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +176,32 @@ def metadata_difference(got, want) -> str | None:
 
 
 # ---------------------------------------------------------------------------- multi-process tests
+def run_in_threads(work: Callable[[int], None], threads: int, switch_interval: float | None = None) -> list[str]:
+    """Run ``work(index)`` in ``threads`` threads at once and wait for all; returns one message per
+    thread that raised (``"thread 3: KeyError(...)"``), empty when none did. ``switch_interval``
+    (seconds) makes the interpreter switch threads that often meanwhile (``sys.setswitchinterval``)."""
+    errors: list[str] = []
+
+    def guarded(index: int) -> None:
+        try:
+            work(index)
+        except Exception as err:  # noqa: BLE001 - any exception is the finding
+            errors.append(f"thread {index}: {err!r}")
+
+    interval = sys.getswitchinterval()
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+    try:
+        workers = [threading.Thread(target=guarded, args=(i,)) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    return errors
+
+
 def with_pythonpath_first(env: dict[str, str], directory: str) -> dict[str, str]:
     """A copy of ``env`` with ``directory`` first on ``PYTHONPATH`` (its entries kept after it)."""
     env = dict(env)

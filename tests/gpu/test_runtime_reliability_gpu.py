@@ -4,8 +4,6 @@ a mask written in place is prepared again, and one Runtime serves many threads."
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from tessera_diffusers.catalog import all_kernels
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.ops import run_native
 from tessera_diffusers.plans import KvLayout, PhysicalPlan, TaskOrganization
-from tessera_diffusers.testing import random_mask
+from tessera_diffusers.testing import random_mask, run_in_threads
 
 pytestmark = pytest.mark.gpu
 
@@ -125,26 +123,19 @@ def test_one_runtime_serves_eight_threads_on_the_gpu():
     q, k, v = qkv(1, 2048, 2)
     kept = [random_mask(1, 2, 2048, 2048, 64, 64, density=0.3, seed=s, device=DEVICE) for s in range(4)]
     expected = [block_sparse_attention(q, k, v, m) for m in kept]
-    errors, sizes = [], []
+    sizes = []
 
     def worker(index: int) -> None:
-        try:
-            for call in range(500):
-                which = (index + call) % 4
-                mask = kept[which] if call % 3 else LogicalMask(kept[which].blocks.clone(), 64, 64, 2048, 2048)
-                out = block_sparse_attention(q, k, v, mask, runtime=runtime)
-                sizes.append(len(runtime._cache))
-                # A mask that comes back may be re-prepared in the grouped query layout: same values
-                # up to bf16 rounding.
-                if not torch.allclose(out.float(), expected[which].float(), atol=2e-2, rtol=2e-2):
-                    errors.append(f"thread {index} call {call}: output differs")
-        except Exception as err:  # noqa: BLE001 - any exception is the finding
-            errors.append(f"thread {index}: {err!r}")
+        for call in range(500):
+            which = (index + call) % 4
+            mask = kept[which] if call % 3 else LogicalMask(kept[which].blocks.clone(), 64, 64, 2048, 2048)
+            out = block_sparse_attention(q, k, v, mask, runtime=runtime)
+            sizes.append(len(runtime._cache))
+            # A mask that comes back may be re-prepared in the grouped query layout: same values
+            # up to bf16 rounding.
+            if not torch.allclose(out.float(), expected[which].float(), atol=2e-2, rtol=2e-2):
+                raise AssertionError(f"call {call}: output differs")
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_in_threads(worker, 8)
     assert not errors, errors[:3]
     assert len(sizes) == 4000 and max(sizes) <= 3

@@ -328,10 +328,8 @@ def test_one_processor_serves_eight_threads_each_running_its_own_transformer():
     """8 threads x 500 processor calls through one processor, each thread denoising its own attached
     transformer (dense warm-up, then masks kept for two steps): no exception, the step cache within its
     bound, and every thread's outputs equal to the same transformer's run alone."""
-    import sys
-    import threading
-
     from tessera_diffusers.sparsifiers import DenseWarmup, SSTASparsifier
+    from tessera_diffusers.testing import run_in_threads
 
     threads, forwards = 8, 125  # 2 layers x (self + cross attention) = 4 processor calls per forward
 
@@ -357,25 +355,13 @@ def test_one_processor_serves_eight_threads_each_running_its_own_transformer():
     models = [tiny_wan_transformer(num_layers=2) for _ in range(threads)]
     for model in models:
         shared.attach(model)
-    together, errors, cache_bytes = [None] * threads, [], []
+    together, cache_bytes = [None] * threads, []
 
     def worker(index: int) -> None:
-        try:
-            together[index] = run(models[index], index)
-            cache_bytes.append(shared.cache.report()["bytes"])
-        except Exception as err:  # noqa: BLE001 - any exception is the finding
-            errors.append(f"thread {index}: {err!r}")
+        together[index] = run(models[index], index)
+        cache_bytes.append(shared.cache.report()["bytes"])
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # switch threads often
-    try:
-        workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    errors = run_in_threads(worker, threads, switch_interval=1e-5)  # switch threads often
     assert not errors, errors[:3]
     for index in range(threads):
         for step, (got, want) in enumerate(zip(together[index], alone[index], strict=True)):

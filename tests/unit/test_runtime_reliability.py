@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import ctypes.util
 import os
-import sys
-import threading
 import weakref
 
 import pytest
@@ -19,7 +17,7 @@ from tessera_diffusers.errors import CatalogError, InvalidArgumentError
 from tessera_diffusers.ops import check_launch, run_native
 from tessera_diffusers.plans import KvLayout, PhysicalPlan, TaskOrganization
 from tessera_diffusers.prepare import prepare
-from tessera_diffusers.testing import random_mask
+from tessera_diffusers.testing import random_mask, run_in_threads
 
 SEQ, HEADS, DIM = 128, 2, 16
 
@@ -144,30 +142,18 @@ def test_one_runtime_serves_eight_threads():
     q, k, v = qkv()
     kept = [random_mask(1, HEADS, SEQ, SEQ, 32, 32, density=0.4, seed=s) for s in range(4)]
     expected = [block_sparse_attention(q, k, v, m, plan=executor_plan()) for m in kept]
-    errors, sizes = [], []
+    sizes = []
 
     def worker(index: int) -> None:
-        try:
-            for call in range(500):
-                which = (index + call) % 4
-                mask = kept[which] if call % 3 else LogicalMask(kept[which].blocks.clone(), 32, 32, SEQ, SEQ)
-                out = block_sparse_attention(q, k, v, mask, plan=executor_plan(), runtime=runtime)
-                sizes.append(len(runtime._cache))
-                if not torch.equal(out, expected[which]):
-                    errors.append(f"thread {index} call {call}: output differs")
-        except Exception as err:  # noqa: BLE001 - any exception is the finding
-            errors.append(f"thread {index}: {err!r}")
+        for call in range(500):
+            which = (index + call) % 4
+            mask = kept[which] if call % 3 else LogicalMask(kept[which].blocks.clone(), 32, 32, SEQ, SEQ)
+            out = block_sparse_attention(q, k, v, mask, plan=executor_plan(), runtime=runtime)
+            sizes.append(len(runtime._cache))
+            if not torch.equal(out, expected[which]):
+                raise AssertionError(f"call {call}: output differs")
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
-    try:
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    errors = run_in_threads(worker, 8, switch_interval=1e-6)  # switch threads as often as possible
     assert not errors, errors[:3]
     assert len(sizes) == 4000 and max(sizes) <= 3
 
