@@ -86,14 +86,16 @@ __device__ void consumer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
       thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{})));
 
   // Q K^T's A operand for the task in Q buffer qs, once it has landed (consume_task).
-  auto q_operand = [&](int qs) -> decltype(auto) {
+  // With Q in registers it returns consumer_loop's q_regs through a named reference capture (the
+  // front end reads a return of the implicitly captured q_regs as a reference to a local).
+  auto q_operand = [&, &regs = q_regs](int qs) -> decltype(auto) {
     if constexpr (T::kQInRegisters) {
-      Tensor q_dst = q_copy.retile_D(q_regs);
+      Tensor q_dst = q_copy.retile_D(regs);
       copy(q_tiled_copy, views.q(_, _, _, qs), q_dst);
       // The TMA-store epilogue later writes O into this buffer, and a thread's O rows are rows
       // another lane of its warp loaded here: the warp's reads are ordered before those writes.
       __syncwarp();
-      return (q_regs);
+      return (regs);
     } else {
       return views.q(_, _, _, qs);
     }

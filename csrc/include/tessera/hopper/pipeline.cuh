@@ -29,11 +29,13 @@ using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 // TMA descriptors of one launch, passed as a __grid_constant__ kernel parameter. Q boxes are
 // kTileQ rows (q_unit rows in the grouped query layout), K and V boxes kv_unit rows, O boxes 64
 // rows (q_unit rows grouped; all 64 head-dim columns, 128-byte swizzle). `o_store`: O goes out
-// through TMA stores (epilogue.cuh's store_output_tma), else from registers.
-struct alignas(64) TmaDescriptors {
+// through TMA stores (epilogue.cuh's store_output_tma), else from registers. The alignment TMA
+// needs comes from CUtensorMap itself (cuda.h declares it aligned).
+struct TmaDescriptors {
   CUtensorMap q, k, v, o;
   int o_store;
 };
+static_assert(alignof(TmaDescriptors) >= 64, "a TMA descriptor in kernel parameters is 64-byte aligned");
 
 template <int kStages, int kQStages>
 struct PipelineBarriers {
