@@ -129,6 +129,20 @@ int launch_tasks(Kernel kernel, int threads, int smem_bytes, const TesseraAttnPa
   return int(cudaGetLastError());
 }
 
+// What the C entry point checks a launch of one kernel against (library.cu), from its traits.
+struct KernelLimits {
+  int tile_q;
+  int tile_kv;
+  int max_slots;          // KV slots per tile the kernel's slot arrays hold (T::kMaxSlots)
+  int element_bytes;      // of q, k, v and o
+  bool paired_o_stores;   // O is stored two elements per 32-bit store: a 4-byte aligned o, even strides
+};
+
+template <class T>
+constexpr KernelLimits kernel_limits() {
+  return {T::kTileQ, T::kTileKV, T::kMaxSlots, int(sizeof(typename T::Element)), T::kPairedOStores};
+}
+
 template <class Kernel>
 int occupancy(Kernel kernel, int threads, int smem_bytes) {
   int blocks = 0;

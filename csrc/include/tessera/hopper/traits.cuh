@@ -64,7 +64,9 @@ struct Traits {
   static constexpr int kLaunchRegisters = (65536 / (kThreads * kCtasPerSm)) / 8 * 8;
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = kWarpgroups == 2 ? 232 : 216;
-  static constexpr int kMaxSlots = kTileKV / 16;
+  static constexpr int kMaxSlots = kTileKV / 16;  // a slot is at least 16 tokens
+  // store_output pairs O elements only where the output's alignment allows (epilogue.cuh).
+  static constexpr bool kPairedOStores = false;
 
   // Q K^T with Q in registers: each consumer thread loads its share of the task's Q from shared
   // memory once (ldmatrix) and every Q K^T reads only K there (rs wgmma). With Q in shared memory

@@ -25,6 +25,7 @@ struct Traits {
   static constexpr int kChunkElems = 16 / sizeof(Element);      // elements per 16-byte chunk
   static constexpr int kChunksPerRow = kHeadDim / kChunkElems;  // 16-byte chunks per smem row
   static constexpr int kMaxSlots = kTileKV / 16;                // a slot is at least 16 tokens
+  static constexpr bool kPairedOStores = true;  // store_tile writes two O elements per 32-bit store
 
   static constexpr int kSmemQElems = kTileQ * kHeadDim;
   static constexpr int kSmemKVElems = kTileKV * kHeadDim;
