@@ -105,6 +105,42 @@ def test_poisoned_outputs_are_fully_written(splits, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_non_finite_scores_and_empty_rows_follow_the_executor(family, splits):
+    """A row with a +inf score gets NaN and lse +inf, a row with a NaN score NaN and NaN, a row
+    with no active key 0 and -inf: the executor's values (the oracle's), with one and several splits."""
+    from tessera_diffusers import ops
+    from tessera_diffusers.executor import run_prepared
+
+    device = torch.device("cuda")
+    kernel = fixed_kernel(family, 128, 64 if family == "portable" else 128, 128, "bf16")
+    mask = random_mask(1, 2, 1000, 900, 32, 16, density=0.3, seed=9, device=device)
+    q, k, v = random_qkv(1, 1000, 900, 2, 128, torch.bfloat16, device, seed=9)
+    k = k.abs() + 0.1  # positive keys: a query with +inf in dim 0 scores +inf against every key
+    active = [int(torch.nonzero(mask.to_dense(0, h).any(-1))[3]) for h in range(2)]
+    q[0, active[0], 0, 0] = math.inf  # every active score of the row +inf
+    q[0, active[1], 1, 3] = math.nan  # every active score of the row NaN
+    seen = int(torch.nonzero(mask.to_dense(0, 1).any(0))[-1])
+    k[0, seen, 1, 5] = math.nan  # one NaN score in each row of head 1 that sees this key
+    plan = PhysicalPlan(32, 16, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, splits), kernel)
+    prepared = prepare(plan, build_mask_state(mask))
+    out, lse = ops.run_native(prepared, q, k, v, 0.09, True)
+    want, want_lse = run_prepared(prepared, q, k, v, 0.09, True)
+    for value, what in ((math.inf, "+inf"), (-math.inf, "-inf")):
+        assert bool((want_lse == value).any()), f"no {what} row in the executor's lse"
+        assert torch.equal(lse == value, want_lse == value), f"{what} rows of the lse differ"
+    assert bool(want_lse.isnan().any())
+    assert torch.equal(lse.isnan(), want_lse.isnan()), "NaN rows of the lse differ"
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[finite], want_lse[finite], atol=1e-3, rtol=0)
+    rows_nan = want.isnan().transpose(1, 2)  # [B, H, Sq, D]
+    assert torch.equal(out.isnan().transpose(1, 2), rows_nan)
+    assert bool(rows_nan[0, 0, active[0]].all()) and bool(rows_nan[0, 1, active[1]].all())
+    empty = want_lse == -math.inf
+    assert bool((out.transpose(1, 2)[empty] == 0).all())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seq_q, seq_kv", [(5, 3), (70, 9), (17, 130)])
 def test_sequences_shorter_than_a_tile(family, seq_q, seq_kv):
     """Sequences shorter than one tile or one KV slot (TMA boxes reach past the tensor's end)."""

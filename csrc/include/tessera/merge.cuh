@@ -1,7 +1,9 @@
 // Split-K merge: rescale the normalized partial outputs of each row to a common maximum.
 //   out = sum_i exp(lse_i - lse_max) * o_i / sum_i exp(lse_i - lse_max)
 //   lse = lse_max + log(sum_i exp(lse_i - lse_max))
-// Parts that saw no key carry lse_i = -inf and weigh 0; a row no part saw gets 0 and -inf.
+// Parts that saw no key carry lse_i = -inf and weigh 0; a row no part saw gets 0 and -inf. As in
+// the executor's merge_splits, a part that saw a NaN score (lse_i NaN) makes the row NaN and NaN,
+// else one that saw a +inf score (lse_i +inf) makes it NaN and +inf.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -30,11 +32,15 @@ __global__ void __launch_bounds__(kMergeWarps * 32) split_merge_kernel(const __g
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
   float lse_max = -CUDART_INF_F;
-  for (int s = 0; s < p.num_splits; ++s) lse_max = fmaxf(lse_max, p.lse_partial[int64_t(s) * rows + row]);
-  const bool has_key = lse_max != -CUDART_INF_F;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float lse = p.lse_partial[int64_t(s) * rows + row];
+    lse_max = lse > lse_max || isnan(lse) ? lse : lse_max;  // a NaN stays (fmaxf would drop it)
+  }
+  const bool has_key = isfinite(lse_max);  // else empty (-inf) or poisoned (+inf, NaN)
   float total = 0.f;
   for (int s = 0; s < p.num_splits; ++s) total += has_key ? expf(p.lse_partial[int64_t(s) * rows + row] - lse_max) : 0.f;
   const float inv = has_key ? 1.f / total : 0.f;
+  const float settled = lse_max == -CUDART_INF_F ? 0.f : CUDART_NAN_F;  // the output of a row without has_key
 
   const int seq = int(row % p.seq_q);
   const int64_t bh = row / p.seq_q;
@@ -47,9 +53,9 @@ __global__ void __launch_bounds__(kMergeWarps * 32) split_merge_kernel(const __g
       const float w = has_key ? expf(p.lse_partial[int64_t(s) * rows + row] - lse_max) : 0.f;
       val += w * p.o_partial[(int64_t(s) * rows + row) * p.head_dim + d];
     }
-    o[d] = merge_cast<Element>(val * inv);
+    o[d] = merge_cast<Element>(has_key ? val * inv : settled);
   }
-  if (p.lse != nullptr && lane == 0) p.lse[row] = has_key ? lse_max + logf(total) : -CUDART_INF_F;
+  if (p.lse != nullptr && lane == 0) p.lse[row] = has_key ? lse_max + logf(total) : lse_max;
 }
 
 inline int launch_split_merge(const TesseraMergeParams& p, cudaStream_t stream) {

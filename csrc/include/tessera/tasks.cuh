@@ -108,9 +108,13 @@ __device__ __forceinline__ void read_tile_meta(const TesseraAttnParams& p, const
   }
 }
 
-// Log-sum-exp of a row from its running max (log2 domain, scaled) and its sum; -inf when empty.
+// Log-sum-exp of a row from its running max (log2 domain, scaled) and its sum, as the executor
+// gives it: -inf for a row with no active key (sum 0). A +inf or NaN active score makes the sum NaN
+// (exp2(inf - inf), exp2(NaN)): the row gets +inf where its max is +inf (a +inf score), else NaN
+// (a NaN score, which fmaxf leaves out of the max; logf(NaN) is NaN). Epilogue only.
 __device__ __forceinline__ float row_lse(float max_log2, float sum) {
-  return sum > 0.f ? max_log2 * kLn2 + logf(sum) : -CUDART_INF_F;
+  if (sum == 0.f) return -CUDART_INF_F;
+  return max_log2 == CUDART_INF_F ? CUDART_INF_F : max_log2 * kLn2 + logf(sum);
 }
 
 // Launch `kernel` with one CTA per task, or a persistent grid of p.grid_size CTAs; `extra` are

@@ -1,6 +1,7 @@
 // Hopper epilogue: normalize the output accumulator by the row sums and store O (or the split-K
-// partial) and the log-sum-exp. Rows with no active key get 0 and -inf. A tile row goes to its token
-// row (query_row: the grouped layout scatters). Two ways to store O:
+// partial) and the log-sum-exp. Rows with no active key get 0 and -inf, rows with a +inf or NaN
+// score NaN and row_lse's +inf or NaN. A tile row goes to its token row (query_row: the grouped
+// layout scatters). Two ways to store O:
 //   store_output      straight from the wgmma accumulator registers (every kernel can);
 //   store_output_tma  through the task's Q buffer and a TMA store (kernels with two Q buffers,
 //                     T::kTmaStore, when the launch's output allows a TMA descriptor): the consumer

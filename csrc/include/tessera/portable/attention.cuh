@@ -237,7 +237,7 @@ __device__ __forceinline__ void compute_tile(const TesseraAttnParams& p, uint32_
 }
 
 // Normalize and store: O (or the fp32 split-K partial) and the log-sum-exp of each row.
-// Rows with no active key get 0 and -inf.
+// Rows with no active key get 0 and -inf; rows with a +inf or NaN score NaN and row_lse's +inf or NaN.
 template <class T>
 __device__ __forceinline__ void store_tile(const TesseraAttnParams& p, const Task& t, RowState<T>& state,
                                            float (&acc)[T::kMTiles][T::kNTilesO][4]) {
