@@ -40,14 +40,11 @@
 //
 // Cost per pick, on the picker: two warp reductions (the argmin, the count of added key blocks), a
 // pass over the union's words, and (listed words) x W / 32 shared reads per lane (the seed lists
-// all the nonzero words of its row). Measured on an H200 with one segment per head (counting only
-// the added blocks then, one reduction): ~0.8 us per query block at W = 64 and nKV = 2048, ~1.2 us at
-// nKV = 4725, about twice that at W = 256, so a head cost about nQ times that. With segments a mask
-// should cost about S times that while all its segments fit on the device at once (not yet
-// measured). More warps per segment did not help (the picker's chain of shared-memory round trips
-// is the bound): helpers computing the seed's counts cost as much in barriers as they saved. A
-// segment whose ring does not fit in shared memory (about (W + g + 64) * nKV / 8 bytes) gets
-// cudaErrorInvalidConfiguration: regroup.py then runs the torch code.
+// all the nonzero words of its row). A segment costs about S picks and the segments run side by
+// side, so a mask costs about S picks while all its segments fit on the device at once. The
+// picker's chain of shared-memory round trips is the bound, which more warps per segment do not
+// shorten. A segment whose ring does not fit in shared memory (about (W + g + 64) * nKV / 8 bytes)
+// gets cudaErrorInvalidConfiguration: regroup.py then runs the torch code.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -204,8 +201,8 @@ __device__ __forceinline__ int wrap(int slot, int ring) { return slot >= ring ? 
 // The picker and the helpers meet here (ordered shared memory between them); the picker may only
 // arrive at the wake barrier (posting a job without waiting). The non-aligned barrier.sync /
 // barrier.arrive: with the aligned bar.sync / bar.arrive (every thread of a warp at the same
-// instruction) compute-sanitizer synccheck reported divergent arrivals of the picker warp on the
-// H200, even after a __syncwarp; with these it reports none, and the orders are the same.
+// instruction) compute-sanitizer synccheck reports divergent arrivals of the picker warp, even
+// after a __syncwarp; with these it reports none, and the orders are the same.
 __device__ __forceinline__ void job_barrier(int id) {
   asm volatile("barrier.sync %0, %1;" ::"r"(id), "n"(kJobThreads) : "memory");
 }

@@ -27,8 +27,7 @@ __host__ __device__ inline int64_t num_tasks(const TesseraAttnParams& p) {
 
 // Tasks are numbered head-major, task = ((b * H + h) * nQT + rank) * num_splits + split: the CTAs
 // resident at one time work on the query tiles of one or two heads, longest rows first, so the K/V
-// tiles they gather (16 MB per head at 32k tokens, D = 128) are shared in L2. (On an H200 at
-// N = 32768, H = 24 this measured within 2% of rank-major numbering, all heads' longest rows first.)
+// tiles they gather (16 MB per head at 32k tokens, D = 128) are shared in L2.
 __device__ __forceinline__ Task decode_task(const TesseraAttnParams& p, int64_t task_id) {
   Task t;
   t.split = int(task_id % p.num_splits);

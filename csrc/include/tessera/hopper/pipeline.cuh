@@ -212,7 +212,7 @@ __device__ void producer_loop(const TesseraAttnParams& p, const TmaDescriptors& 
 //     buffers it lets the taker take the next task (take_go) as it issues the loads of the current
 //     task's last kTakeAhead tiles, so that the atomic's round trip, the decoding and the Q load
 //     overlap the consumers' last tiles; with one, after the loads (the next Q waits for this
-//     task's buffer anyway; taking early measured 1-2% slower there).
+//     task's buffer anyway).
 // Split this way, the next task's atomic, decoding and Q-buffer wait never sit between two tiles'
 // loads (docs/design.md).
 constexpr int kTakeAhead = 2;  // tiles before a task's end at which the next task is taken

@@ -73,7 +73,7 @@ struct Traits {
   // (ss wgmma), a 64-column K tile makes each m64n64k16 read as many A bytes (Q) as B bytes (K),
   // which with the TMA writes of K and V asks more of the SM's shared memory bandwidth than one
   // tile's tensor work covers: Q sits in registers where the KV tile has 64 columns. The
-  // 128-column kernels gain nothing consistent from it and keep Q in shared memory.
+  // 128-column kernels, where it gains nothing consistent, keep Q in shared memory.
   static constexpr bool kQInRegisters = kTileKV == 64;
   // Lazy softmax references (mainloop.cuh, online_softmax): a row's reference maximum moves only
   // when a tile's scores exceed it by more than kRescaleThreshold powers of two. Otherwise the
@@ -81,8 +81,8 @@ struct Traits {
   // and fp16 round them with the same relative error as values below 1, and fp32 sums stay far
   // from overflow), its alpha is exactly 1, and a warp whose rows all keep theirs skips rescaling
   // its output accumulator. The log-sum-exp is the reference plus the log of the sum, whatever
-  // the reference. Only the 64-column kernels do it; in the 128-column ones it did not pay, so
-  // their reference moves on every increase.
+  // the reference. Only the 64-column kernels do it; in the 128-column ones, where it does not
+  // pay, the reference moves on every increase.
   static constexpr float kRescaleThreshold = 8.0f;
   static constexpr bool kLazyRescale = kTileKV == 64;
   // S = Q K^T: B (K) from shared memory, A (Q) from shared memory or registers, both K-major (head
