@@ -36,11 +36,12 @@ __global__ void __launch_bounds__(kMergeWarps * 32) split_merge_kernel(const __g
     const float lse = p.lse_partial[int64_t(s) * rows + row];
     lse_max = lse > lse_max || isnan(lse) ? lse : lse_max;  // a NaN stays (fmaxf would drop it)
   }
-  const bool has_key = isfinite(lse_max);  // else empty (-inf) or poisoned (+inf, NaN)
+  // Without a finite maximum every weight is 0, and the row comes out as its parts' outputs times 0:
+  // 0 where no part saw a key (they wrote 0), NaN where one saw a +inf or NaN score (it wrote NaN).
+  const bool has_key = isfinite(lse_max);
   float total = 0.f;
   for (int s = 0; s < p.num_splits; ++s) total += has_key ? expf(p.lse_partial[int64_t(s) * rows + row] - lse_max) : 0.f;
   const float inv = has_key ? 1.f / total : 0.f;
-  const float settled = lse_max == -CUDART_INF_F ? 0.f : CUDART_NAN_F;  // the output of a row without has_key
 
   const int seq = int(row % p.seq_q);
   const int64_t bh = row / p.seq_q;
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) split_merge_kernel(const __g
       const float w = has_key ? expf(p.lse_partial[int64_t(s) * rows + row] - lse_max) : 0.f;
       val += w * p.o_partial[(int64_t(s) * rows + row) * p.head_dim + d];
     }
-    o[d] = merge_cast<Element>(has_key ? val * inv : settled);
+    o[d] = merge_cast<Element>(val * inv);
   }
   if (p.lse != nullptr && lane == 0) p.lse[row] = has_key ? lse_max + logf(total) : lse_max;
 }
