@@ -5,6 +5,8 @@ as well as by what changed in between. When only the grouping kernel changed, th
 measure the drift, and the grouped plans over them measure the change. Per family and per corpus
 source, this prints the geometric mean of new over old latency of the grouped plans and of the
 others (every (case, plan) timed in both), their ratio, and the same for each case's fastest plan.
+When the kernels changed, the rows by kernel (tile, stages, warps) show whether the change moved
+some kernels against the others; two runs of the same library give the noise floor.
 
     python benchmarks/profile_compare.py OLD.jsonl.gz NEW.jsonl.gz [--md FILE]
 """
@@ -21,33 +23,45 @@ from tessera_diffusers.plans import QLayout
 from tessera_diffusers.profile.records import read_records
 
 
-def latencies(path: Path) -> tuple[dict[str, dict[str, float]], set[str]]:
-    """``{case: {plan: latency ms}}`` of the ok plan records, and the names of the grouped plans."""
+def kernel_label(spec: dict) -> str:
+    """A plan record's kernel as ``hopper 128x128 s2w8``."""
+    k = spec.get("kernel", {})
+    return f"{k.get('family')} {k.get('tile_q')}x{k.get('tile_kv')} s{k.get('stages')}w{k.get('warps')}"
+
+
+def latencies(path: Path) -> tuple[dict[str, dict[str, float]], set[str], dict[str, str]]:
+    """``{case: {plan: latency ms}}`` of the ok plan records, the names of the grouped plans and
+    each plan's kernel (``kernel_label``)."""
     out: dict[str, dict[str, float]] = defaultdict(dict)
     grouped: set[str] = set()
+    kernels: dict[str, str] = {}
     for record in read_records([path]):
         if record.get("type") != "plan":
             continue
+        if "kernel" in record.get("spec", {}):  # a record of a plan that never ran may have no spec
+            kernels[record["plan"]] = kernel_label(record["spec"])
         if record.get("spec", {}).get("q_layout") == QLayout.GROUPED.value:
             grouped.add(record["plan"])
         if record.get("status") == "ok":
             out[record["case"]][record["plan"]] = float(record["latency_ms"])
-    return out, grouped
+    return out, grouped, kernels
 
 
 def compare(old: Path, new: Path) -> list[str]:
-    before, grouped_old = latencies(old)
-    after, grouped_new = latencies(new)
+    before, grouped_old, kernels = latencies(old)
+    after, grouped_new, kernels_new = latencies(new)
     grouped = grouped_old | grouped_new
+    kernels.update(kernels_new)
     rows: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for case in sorted(before.keys() & after.keys()):
         family, source = case.split(":")[1].split("/")[:2]
         common = before[case].keys() & after[case].keys()
         best = min(after[case].values()) / min(before[case].values())
-        for label in (("family", family), ("source", source)):
-            for plan in common:
-                kind = "grouped" if plan in grouped else "other"
+        for plan in common:
+            kind = "grouped" if plan in grouped else "other"
+            for label in (("family", family), ("source", source), ("kernel", kernels.get(plan, "?"))):
                 rows[label][kind].append(after[case][plan] / before[case][plan])
+        for label in (("family", family), ("source", source)):
             rows[label]["best"].append(best)
     lines = ["| by | which | grouped plans new / old (n) | other plans new / old (n) | grouped / other | fastest plan new / old (cases) |",
              "|---|---|---|---|---|---|"]

@@ -15,11 +15,14 @@ def load_script():
 
 
 def write(path, times):
-    """One case per family; ``times`` {plan: ms}, plans named grouped-* in the grouped layout."""
+    """One case per family; ``times`` {plan: ms}, plans named grouped-* in the grouped layout, *-c on
+    a 64 x 64 tile, the others on 128 x 128."""
     lines = []
     for case in ("n32k:Q16K16/sliding_tile/x:bf16", "n32k:Q64K64/importance_topk/y:bf16"):
         for plan, ms in times.items():
-            spec = {"q_layout": "grouped" if plan.startswith("grouped") else "natural"}
+            tile = 64 if plan.endswith("-c") else 128
+            kernel = {"family": "hopper", "tile_q": tile, "tile_kv": tile, "stages": 2, "warps": tile // 16}
+            spec = {"q_layout": "grouped" if plan.startswith("grouped") else "natural", "kernel": kernel}
             lines.append({"type": "plan", "case": case, "plan": plan, "spec": spec, "status": "ok", "latency_ms": ms})
         lines.append({"type": "plan", "case": case, "plan": "broken", "status": "failed"})
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -33,9 +36,13 @@ def test_the_grouped_plans_are_measured_against_the_drift_of_the_others(tmp_path
     lines = script.compare(old, new)
     rows = {tuple(cell.strip() for cell in line.strip("|").split("|")[:2]): line for line in lines[2:]}
     assert set(rows) == {("family", "Q16K16"), ("family", "Q64K64"), ("source", "importance_topk"),
-                         ("source", "sliding_tile")}
+                         ("source", "sliding_tile"), ("kernel", "hopper 128x128 s2w8"), ("kernel", "hopper 64x64 s2w4")}
     cells = [cell.strip() for cell in rows["family", "Q16K16"].strip("|").split("|")]
     assert cells[2] == "0.675 (1)" and cells[3] == "0.900 (2)" and cells[4] == "0.750"
     assert cells[5] == "0.900 (1)"  # fastest plan 1.8 over 2.0
+    cells = [cell.strip() for cell in rows["kernel", "hopper 128x128 s2w8"].strip("|").split("|")]
+    assert cells[2] == "0.675 (2)" and cells[3] == "0.900 (2)"  # both cases, by kernel
+    cells = [cell.strip() for cell in rows["kernel", "hopper 64x64 s2w4"].strip("|").split("|")]
+    assert cells[2] == "nan (0)" and cells[3] == "0.900 (2)"  # direct-c alone: 7.2 / 8.0 in both cases
     assert script.main([str(old), str(new), "--md", str(tmp_path / "cmp.md")]) == 0
     assert "0.750" in (tmp_path / "cmp.md").read_text()
