@@ -212,6 +212,11 @@ def compile_one(nvcc: str, source: str, obj: str, flags: list[str], stamp: str =
     return source, time.time() - start, proc.stderr
 
 
+def compiler_warnings(stderr: str) -> list[str]:
+    """The warning lines of an nvcc run's stderr (the rest is ``ptxas -v`` information)."""
+    return [line.strip() for line in stderr.splitlines() if re.search(r"\bwarning\b", line, re.IGNORECASE)]
+
+
 def command_stamp(nvcc: str, nvcc_version: str, source: str, flags: list[str]) -> str:
     """What an object is made by: the compiler (path and version: an update in place counts) and
     the command line."""
@@ -303,6 +308,8 @@ def build_native_library(
             src, seconds, stderr = fut.result()
             ptxas_logs[src] = f"== {os.path.basename(src)} ({seconds:.0f}s)\n{stderr}"
             log(f"tessera: [{done}/{len(stale)}] {os.path.basename(src)} {seconds:.0f}s", 2)
+            for line in compiler_warnings(stderr):  # the build is meant to have none: show each
+                log(f"tessera: {os.path.basename(src)}: {line}", 1)
 
     lib = os.path.join(out_dir, LIBRARY_NAME)
     link = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-o", lib] + objects

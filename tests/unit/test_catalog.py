@@ -235,6 +235,7 @@ def test_native_smoke_subset_compiles_and_links(tmp_path):
     assert again.returncode == 0 and "compiling 0 of" in again.stdout, again.stdout[-3000:]
     assert (tmp_path / "b" / "ptxas.log").read_text().count("(reused)") == log.count("\n== ") + 1
     assert "bytes spill stores" in log
+    assert build_native_module().compiler_warnings(log) == []  # the native build compiles without warnings
     manifest = json.loads((tmp_path / "lib" / "manifest.json").read_text())
     assert len(manifest["kernel_sources"]) == 16  # what a plan table's profile is checked against
     assert len(manifest["grouping_sources"]) == 16 and manifest["grouping_sources"] != manifest["kernel_sources"]
