@@ -1,0 +1,117 @@
+"""The 8-bit attention's quantization and its twin (``tessera_diffusers.quantized``) against the fp32
+oracle: the accuracy budget on every test geometry (partial blocks and empty rows included), the
+log-sum-exp with K's mean added back, and what breaks the budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tessera_diffusers import quantized, reference
+from tessera_diffusers.errors import InvalidArgumentError
+from tessera_diffusers.testing import TEST_GEOMETRIES, random_mask, random_qkv
+
+SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 600, 700, 2, 128
+
+
+def request(block_q: int, block_kv: int, seed: int = 0):
+    mask = random_mask(1, HEADS, SEQ_Q, SEQ_KV, block_q, block_kv, density=0.3, seed=seed)
+    q, k, v = random_qkv(1, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM, torch.bfloat16, "cpu", seed=seed)
+    return q, k, v, mask
+
+
+def with_channel_offsets(x: torch.Tensor, offset: float, every: int) -> torch.Tensor:
+    """``x`` plus ``offset`` on every ``every``-th channel (the outlier channels of real activations)."""
+    return (x.float() + offset * (torch.arange(x.shape[-1]) % every == 0)).to(x.dtype)
+
+
+@pytest.mark.parametrize("geometry", TEST_GEOMETRIES, ids=lambda g: f"Q{g[0]}K{g[1]}")
+def test_int8_attention_meets_the_budget_on_every_geometry(geometry):
+    q, k, v, mask = request(*geometry)
+    oracle, oracle_lse = reference.attention(q, k, v, mask, return_lse=True, out_dtype=torch.float32)
+    out, lse = quantized.attention(q, k, v, mask, return_lse=True)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == oracle_lse.shape
+    agreement = quantized.agreement(out, oracle)
+    assert agreement.within_budget(), agreement
+    empty = torch.isinf(oracle_lse)  # [B, H, Sq]: the mask's empty rows
+    assert bool(empty.any()) and bool((lse[empty] == -math.inf).all())
+    assert bool((out.permute(0, 2, 1, 3)[empty] == 0).all())
+    assert float((lse - oracle_lse)[~empty].abs().max()) < 0.02
+
+
+def test_the_log_sum_exp_gets_the_mean_of_k_back():
+    """K with offset channels: the smoothed scores are shifted per row; the lse is not."""
+    q, k, v, mask = request(64, 64)
+    k = with_channel_offsets(k, 3.0, 8)
+    _, oracle_lse = reference.attention(q, k, v, mask, return_lse=True)
+    _, lse = quantized.attention(q, k, v, mask, return_lse=True)
+    finite = torch.isfinite(oracle_lse)
+    shift = quantized.quantize(q, k, v, 1 / math.sqrt(HEAD_DIM)).lse_shift
+    assert float(shift.abs().max()) > 1.0  # the test means something: the shift is large
+    assert float((lse - oracle_lse)[finite].abs().max()) < 0.02
+
+
+def test_without_k_smoothing_outlier_channels_break_the_budget():
+    q, k, v, mask = request(64, 64)
+    k = with_channel_offsets(k, 30.0, 16)
+    oracle = reference.attention(q, k, v, mask, out_dtype=torch.float32)
+    assert quantized.agreement(quantized.attention(q, k, v, mask), oracle).within_budget()
+    unsmoothed = quantized.agreement(quantized.attention(q, k, v, mask, smooth_k=False), oracle)
+    assert not unsmoothed.within_budget(), unsmoothed
+
+
+def test_fp8_p_v_errs_about_three_times_as_much_as_int8():
+    """e4m3 keeps 3 mantissa bits for P and V: on random inputs it misses the relative budget that
+    unsigned 8-bit P per KV tile and signed 8-bit V per channel meet."""
+    q, k, v, mask = request(128, 128)
+    oracle = reference.attention(q, k, v, mask, out_dtype=torch.float32)
+    int8 = quantized.agreement(quantized.attention(q, k, v, mask, pv="int8"), oracle)
+    fp8 = quantized.agreement(quantized.attention(q, k, v, mask, pv="fp8"), oracle)
+    assert fp8.cosine >= quantized.MIN_COSINE and fp8.relative_l2 > quantized.MAX_RELATIVE_L2
+    assert fp8.relative_l2 > 2 * int8.relative_l2
+
+
+def test_quantized_inputs_round_within_half_a_step():
+    q, k, v, _ = request(64, 64)
+    x = quantized.quantize(q, k, v, 1 / math.sqrt(HEAD_DIM))
+    assert (x.q.dtype, x.k.dtype, x.v.dtype) == (torch.int8, torch.int8, torch.int8)
+    assert int(x.q.abs().max()) == 127 and int(x.k.abs().max()) == 127  # each token uses the full range
+    assert bool(((x.q.float() * x.q_scale.unsqueeze(-1) - q.float()).abs() <= x.q_scale.unsqueeze(-1) / 2 + 1e-6).all())
+    centred_k = k.float() - x.k_mean.unsqueeze(1)
+    assert bool(((x.k.float() * x.k_scale.unsqueeze(-1) - centred_k).abs() <= x.k_scale.unsqueeze(-1) / 2 + 1e-6).all())
+    centred_v = v.float() - x.v_mean.unsqueeze(1)
+    assert bool(((x.v.float() * x.v_scale.unsqueeze(1) - centred_v).abs() <= x.v_scale.unsqueeze(1) / 2 + 1e-6).all())
+
+
+def test_probabilities_are_rounded_per_kv_tile():
+    p = torch.tensor([[1.0, 0.5, 0.01, 0.004, 0.001, 0.0]])
+    tiled = quantized.rounded_probabilities(p, "int8", 3)  # tiles [1, .5, .01] and [.004, .001, 0]
+    for values, top in ((slice(0, 3), 1.0), (slice(3, 6), 0.004)):
+        steps = tiled[0, values] / top * 255  # whole steps of the tile's own maximum
+        assert torch.allclose(steps, steps.round(), atol=1e-3)
+        assert float((tiled[0, values] - p[0, values]).abs().max()) <= top / 255 / 2 * 1.001
+    assert float(quantized.rounded_probabilities(p, "int8", 6)[0, 4]) == 0.0  # a row-wide step loses 0.001
+
+
+@pytest.mark.parametrize("bad, argument", [
+    (dict(pv="int4"), "pv"),
+    (dict(kv_tile=0), "kv_tile"),
+    (dict(kv_tile=True), "kv_tile"),
+    (dict(scale=-1.0), "scale"),
+])
+def test_bad_arguments_are_refused(bad, argument):
+    q, k, v, mask = request(64, 64)
+    with pytest.raises(InvalidArgumentError, match=argument):
+        quantized.attention(q, k, v, mask, **bad)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_non_finite_inputs_are_refused(name):
+    q, k, v, mask = request(64, 64)
+    tensors = {"q": q, "k": k, "v": v}
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 5, 1, 3] = math.inf
+    with pytest.raises(InvalidArgumentError, match=name):
+        quantized.attention(tensors["q"], tensors["k"], tensors["v"], mask)
