@@ -223,6 +223,24 @@ def test_an_object_is_reused_only_while_its_command_and_inputs_are_unchanged(tmp
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_the_shipped_plan_table_names_these_kernel_sources():
+    """An edit that changes the kernels' code must re-profile the shipped table, or show by a
+    same-run A/B that it moves no plan and re-express the table's hashes
+    (tessera_diffusers/data/README.md); otherwise every GPU user is told the table may be stale.
+    The hashes cover nvcc's and CUTLASS's versions: this runs with those the table was built with."""
+    from tessera_diffusers.plan_table import default_table
+
+    build = build_native_module()
+    tools = (build.nvcc_version_line(build.find_nvcc()), build.cutlass_version())
+    if "cuda_13.0" not in tools[0] or tools[1] != "nvidia-cutlass 4.2.0.0":
+        pytest.skip(f"the shipped table's hashes are of nvcc 13.0 and nvidia-cutlass 4.2.0.0, not {tools}")
+    planned = build.planned_source_hashes("80;90")
+    provenance = default_table("sm90").table.provenance
+    assert provenance["kernel_sources"] == [planned["kernel_sources"]], planned
+    assert provenance["grouping_sources"] == [planned["grouping_sources"]], planned
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_native_smoke_subset_compiles_and_links(tmp_path):
     """Build breaks cannot land: compile and link two catalog entries (one per dtype) for sm90."""
     command = [sys.executable, os.path.join(ROOT, "csrc", "build_native.py"), "--archs", "90", "--jobs", "2",
