@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from tessera_diffusers import quantized, reference
-from tessera_diffusers.bench.problem import Problem, make_inputs
 from tessera_diffusers.bench.config import ALL_FAMILIES
+from tessera_diffusers.bench.problem import Problem, make_inputs
 from tessera_diffusers.profile.config import ProfileConfig
 
 FORMATS = quantized.PV_FORMATS

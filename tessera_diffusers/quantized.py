@@ -33,7 +33,7 @@ import torch
 
 from .errors import InvalidArgumentError
 from .mask import LogicalMask
-from .reference import CHUNK_SCORE_ELEMENTS, block_token_ids
+from .reference import row_chunks
 from .validation import check_inputs
 
 INT8_MAX = 127.0
@@ -136,33 +136,19 @@ def run(x: QuantizedInputs, mask: LogicalMask, kv_tile: int = 128) -> tuple[torc
     seq_kv = x.k.shape[1]
     out = torch.zeros(batch, seq_q, heads, head_dim, dtype=torch.float32, device=x.q.device)
     lse = torch.full((batch, heads, seq_q), -math.inf, dtype=torch.float32, device=x.q.device)
-    bq, bkv = mask.block_q, mask.block_kv
-    kv_sizes = mask.block_sizes_kv()
-    rows_per_chunk = max(1, CHUNK_SCORE_ELEMENTS // max(1, seq_kv) // bq)
-    for b in range(batch):
-        for h in range(heads):
-            grid = mask.blocks[b if mask.batch > 1 else 0, h if mask.heads > 1 else 0]
-            q8, k8 = x.q[b, :, h].float(), x.k[b, :, h].float()  # integers, exact in fp32
-            v8 = x.v[b, :, h].float()
-            for i0 in range(0, mask.num_blocks_q, rows_per_chunk):
-                i1 = min(i0 + rows_per_chunk, mask.num_blocks_q)
-                r0, r1 = i0 * bq, min(i1 * bq, seq_q)
-                active = grid[i0:i1]
-                cols = torch.nonzero(active.any(0)).flatten()
-                if cols.numel() == 0:
-                    continue
-                tokens = block_token_ids(cols, bkv, kv_sizes)
-                token_mask = active[:, cols].repeat_interleave(bq, 0)[: r1 - r0].repeat_interleave(kv_sizes[cols], 1)
-                scores = (q8[r0:r1] @ k8[tokens].T) * (x.q_scale[b, r0:r1, h, None] * x.k_scale[b, tokens, h] * x.scale)
-                scores = scores.masked_fill(~token_mask, -math.inf)
-                row_max = scores.amax(-1, keepdim=True)
-                has_key = row_max > -math.inf
-                p = torch.exp(scores - torch.where(has_key, row_max, torch.zeros_like(row_max)))
-                denom = torch.where(has_key, p.sum(-1, keepdim=True), torch.ones_like(row_max))
-                o = (rounded_probabilities(p, x.pv, kv_tile) @ v8[tokens]) * x.v_scale[b, h] / denom + x.v_mean[b, h]
-                out[b, r0:r1, h] = torch.where(has_key, o, torch.zeros_like(o))
-                row_lse = torch.where(has_key, row_max + torch.log(denom), row_max).squeeze(-1)
-                lse[b, h, r0:r1] = row_lse + x.lse_shift[b, h, r0:r1]
+    for b, h, r0, r1, tokens, token_mask in row_chunks(mask, batch, heads, seq_kv):
+        q8, k8 = x.q[b, r0:r1, h].float(), x.k[b, tokens, h].float()  # integers, exact in fp32
+        scores = (q8 @ k8.T) * (x.q_scale[b, r0:r1, h, None] * x.k_scale[b, tokens, h] * x.scale)
+        scores = scores.masked_fill(~token_mask, -math.inf)
+        row_max = scores.amax(-1, keepdim=True)
+        has_key = row_max > -math.inf
+        p = torch.exp(scores - torch.where(has_key, row_max, torch.zeros_like(row_max)))
+        denom = torch.where(has_key, p.sum(-1, keepdim=True), torch.ones_like(row_max))
+        pv = rounded_probabilities(p, x.pv, kv_tile) @ x.v[b, tokens, h].float()
+        o = pv * x.v_scale[b, h] / denom + x.v_mean[b, h]
+        out[b, r0:r1, h] = torch.where(has_key, o, torch.zeros_like(o))
+        row_lse = torch.where(has_key, row_max + torch.log(denom), row_max).squeeze(-1)
+        lse[b, h, r0:r1] = row_lse + x.lse_shift[b, h, r0:r1]
     return out, lse
 
 

@@ -16,6 +16,7 @@ The oracle is for problems that fit in host memory: a request whose working set 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -65,39 +66,23 @@ def attention(
     out = torch.zeros(batch, seq_q, heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, seq_q), -math.inf, dtype=torch.float32, device=q.device)
 
-    bq, bkv = mask.block_q, mask.block_kv
-    kv_sizes = mask.block_sizes_kv()
-    rows_per_chunk = max(1, CHUNK_SCORE_ELEMENTS // max(1, seq_kv) // bq)
-    for b in range(batch):
-        for h in range(heads):
-            grid = mask.blocks[b if mask.batch > 1 else 0, h if mask.heads > 1 else 0]  # [nQ, nKV]
-            qh = q[b, :, h].to(torch.float32)
-            kh = k[b, :, h].to(torch.float32)
-            vh = v[b, :, h].to(torch.float32)
-            for i0 in range(0, mask.num_blocks_q, rows_per_chunk):
-                i1 = min(i0 + rows_per_chunk, mask.num_blocks_q)
-                r0, r1 = i0 * bq, min(i1 * bq, seq_q)
-                active = grid[i0:i1]  # [c, nKV]
-                cols = torch.nonzero(active.any(0)).flatten()  # KV blocks any row of the chunk needs
-                if cols.numel() == 0:
-                    continue
-                token_ids = block_token_ids(cols, bkv, kv_sizes)
-                token_mask = active[:, cols].repeat_interleave(bq, 0)[: r1 - r0]
-                token_mask = token_mask.repeat_interleave(kv_sizes[cols], 1)  # [rows, tokens]
-                scores = (qh[r0:r1] @ kh[token_ids].T) * scale
-                scores = scores.masked_fill(~token_mask, -math.inf)
-                row_max = scores.amax(-1, keepdim=True)  # NaN if any active score is NaN
-                has_key = torch.isfinite(row_max)
-                p = torch.exp(scores - torch.where(has_key, row_max, torch.zeros_like(row_max)))
-                denom = p.sum(-1, keepdim=True)
-                if p_dtype is not None:
-                    p = p.to(p_dtype).to(torch.float32)
-                o = (p @ vh[token_ids]) / torch.where(has_key, denom, torch.ones_like(denom))
-                # Max -inf: no active key, 0. Max +inf or NaN: the softmax is undefined, NaN.
-                empty = row_max == -math.inf
-                settled = torch.where(empty, torch.zeros_like(o), torch.full_like(o, math.nan))
-                out[b, r0:r1, h] = torch.where(has_key, o, settled)
-                lse[b, h, r0:r1] = torch.where(has_key, row_max + torch.log(denom), row_max).squeeze(-1)
+    for b, h, r0, r1, token_ids, token_mask in row_chunks(mask, batch, heads, seq_kv):
+        qh = q[b, r0:r1, h].to(torch.float32)
+        kh = k[b, token_ids, h].to(torch.float32)
+        scores = (qh @ kh.T) * scale
+        scores = scores.masked_fill(~token_mask, -math.inf)
+        row_max = scores.amax(-1, keepdim=True)  # NaN if any active score is NaN
+        has_key = torch.isfinite(row_max)
+        p = torch.exp(scores - torch.where(has_key, row_max, torch.zeros_like(row_max)))
+        denom = p.sum(-1, keepdim=True)
+        if p_dtype is not None:
+            p = p.to(p_dtype).to(torch.float32)
+        o = (p @ v[b, token_ids, h].to(torch.float32)) / torch.where(has_key, denom, torch.ones_like(denom))
+        # Max -inf: no active key, 0. Max +inf or NaN: the softmax is undefined, NaN.
+        empty = row_max == -math.inf
+        settled = torch.where(empty, torch.zeros_like(o), torch.full_like(o, math.nan))
+        out[b, r0:r1, h] = torch.where(has_key, o, settled)
+        lse[b, h, r0:r1] = torch.where(has_key, row_max + torch.log(denom), row_max).squeeze(-1)
     out = out.to(out_dtype or q.dtype)
     return (out, lse) if return_lse else out
 
@@ -137,6 +122,29 @@ def check_working_set(need: int, q: torch.Tensor, k: torch.Tensor) -> None:
         f"{need / GIB:,.1f} GiB for q {tuple(q.shape)}, k {tuple(k.shape)}",
         hint="the reference path is an fp32 oracle for small problems; use a native plan on CUDA",
     )
+
+
+def row_chunks(mask: LogicalMask, batch: int, heads: int,
+               seq_kv: int) -> Iterator[tuple[int, int, int, int, torch.Tensor, torch.Tensor]]:
+    """The oracle's walk over a request: per (b, h), chunks of query blocks whose scores against
+    ``seq_kv`` keys fit ``CHUNK_SCORE_ELEMENTS``, as ``(b, h, r0, r1, tokens, token_mask)``: query
+    rows ``r0:r1``, the keys any of them needs (``[T]`` int64, partial last block respected) and
+    which of those each row sees (``[r1 - r0, T]`` bool). Chunks that see no key are skipped."""
+    bq, bkv = mask.block_q, mask.block_kv
+    kv_sizes = mask.block_sizes_kv()
+    rows_per_chunk = max(1, CHUNK_SCORE_ELEMENTS // max(1, seq_kv) // bq)
+    for b in range(batch):
+        for h in range(heads):
+            grid = mask.blocks[b if mask.batch > 1 else 0, h if mask.heads > 1 else 0]  # [nQ, nKV]
+            for i0 in range(0, mask.num_blocks_q, rows_per_chunk):
+                i1 = min(i0 + rows_per_chunk, mask.num_blocks_q)
+                r0, r1 = i0 * bq, min(i1 * bq, mask.seq_len_q)
+                active = grid[i0:i1]  # [c, nKV]
+                cols = torch.nonzero(active.any(0)).flatten()  # KV blocks any row of the chunk needs
+                if cols.numel() == 0:
+                    continue
+                token_mask = active[:, cols].repeat_interleave(bq, 0)[: r1 - r0]
+                yield b, h, r0, r1, block_token_ids(cols, bkv, kv_sizes), token_mask.repeat_interleave(kv_sizes[cols], 1)
 
 
 def block_token_ids(cols: torch.Tensor, block: int, sizes: torch.Tensor) -> torch.Tensor:
