@@ -38,7 +38,7 @@ def latencies(path: Path) -> tuple[dict[str, dict[str, float]], set[str], dict[s
     for record in read_records([path]):
         if record.get("type") != "plan":
             continue
-        if "kernel" in record.get("spec", {}):  # a record of a plan that never ran may have no spec
+        if "kernel" in record.get("spec", {}):  # the profiler writes a plan's spec on its first record only
             kernels[record["plan"]] = kernel_label(record["spec"])
         if record.get("spec", {}).get("q_layout") == QLayout.GROUPED.value:
             grouped.add(record["plan"])
