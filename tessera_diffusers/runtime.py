@@ -299,6 +299,8 @@ def block_sparse_attention(
         runtime: a ``Runtime`` whose prepared-plan cache to use (a fresh one otherwise).
         check_finite: raise on NaN/inf inputs (one host sync). Without it, non-finite inputs
             propagate as in dense attention: a NaN in an active key's row poisons that query row.
+            On the native path a non-finite V of a key outside a row's active blocks can reach the
+            row too, when the plan's KV tile holds that key for another row (its weight 0 times NaN).
 
     Returns:
         out ``[B, Sq, H, D]`` in the dtype of q; rows with no active key are 0 (lse -inf).
