@@ -188,7 +188,6 @@ processor_call.register_autograd(_refuse_backward)
 
 
 def traced_call(
-    processor: Any,
     key: int,
     attn: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -197,7 +196,8 @@ def traced_call(
     rotary_emb: Any,
     image_rotary_emb: Any,
 ):
-    """What ``TesseraProcessor.__call__`` puts in a graph being compiled."""
+    """What ``TesseraProcessor.__call__`` puts in a graph being compiled: the op for the processor
+    registered under ``key`` (``register``)."""
     rotary, argument = (rotary_emb, ROTARY_EMB) if rotary_emb is not None else (image_rotary_emb, IMAGE_ROTARY_EMB)
     if rotary is None:
         cos = sin = None

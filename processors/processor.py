@@ -396,7 +396,7 @@ class TesseraProcessor(torch.nn.Module):
         Inside ``torch.compile`` the call becomes one opaque op that runs ``eager_call`` (compiled.py)."""
         if torch.compiler.is_compiling():
             return traced_call(
-                self, self.compile_key, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb,
+                self.compile_key, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb,
                 image_rotary_emb,
             )
         return self.eager_call(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, image_rotary_emb)
