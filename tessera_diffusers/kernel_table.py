@@ -17,11 +17,11 @@ class TileConfig(NamedTuple):
 
 
 class KernelRow(NamedTuple):
-    family: str  # "portable" | "hopper"
+    family: str  # "portable" | "hopper" | "hopper8" (8-bit, precision="int8")
     tile_q: int
     tile_kv: int
     head_dim: int
-    dtype: str  # "bf16" | "fp16"
+    dtype: str  # "bf16" | "fp16" (of q, k, v and the output; the 8-bit kernels read the quantized copies)
     stages: int
     warps: int
     arch: str  # lowest architecture: "sm80" | "sm90a"
@@ -88,3 +88,29 @@ def hopper_rows() -> tuple[KernelRow, ...]:
 
 def all_rows() -> tuple[KernelRow, ...]:
     return portable_rows() + hopper_rows()
+
+
+# The 8-bit Hopper kernels (precision="int8", tessera_diffusers/quantized.py): Q K^T and P V on the
+# int8 tensor cores, over the same plans and metadata as the 16-bit ones, at head_dim 128. Built
+# beside the catalog (not in all_rows): their sources hash apart from the 16-bit kernels' and
+# their plans are keyed by precision.
+QUANTIZED_TILES: tuple[TileConfig, ...] = (TileConfig(128, 128, 8),)
+QUANTIZED_STAGES: tuple[int, ...] = (2, 3)
+QUANTIZED_HEAD_DIM = 128
+
+
+def quantized_rows() -> tuple[KernelRow, ...]:
+    """Every 8-bit Hopper variant in a fixed order (built only for sm90a targets)."""
+    return tuple(
+        KernelRow("hopper8", t.tile_q, t.tile_kv, QUANTIZED_HEAD_DIM, dt, st, t.warps, "sm90a")
+        for dt in DTYPES
+        for t in QUANTIZED_TILES
+        for st in QUANTIZED_STAGES
+    )
+
+
+def quantized_variant(tile_q: int, tile_kv: int, head_dim: int, dtype: str, stages: int) -> KernelRow | None:
+    """The 8-bit kernel that runs plans of a Hopper kernel of this shape (its stages where built,
+    else the nearest), or None."""
+    rows = [r for r in quantized_rows() if (r.tile_q, r.tile_kv, r.head_dim, r.dtype) == (tile_q, tile_kv, head_dim, dtype)]
+    return min(rows, key=lambda r: (abs(r.stages - stages), r.stages)) if rows else None

@@ -28,7 +28,7 @@ import torch
 from . import config
 from .catalog import kernel_spec_from_row
 from .errors import CatalogError, InvalidArgumentError, NativeKernelError
-from .kernel_table import all_rows
+from .kernel_table import all_rows, quantized_rows
 from .plans import KernelSpec
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,54 @@ class TesseraAttnParams(ctypes.Structure):
         ("scale_log2", ctypes.c_float),
         ("task_counter", ctypes.c_void_p),
         ("q_units", ctypes.c_void_p),
+    ]
+
+
+class TesseraQuantizedParams(ctypes.Structure):
+    """Mirror of ``TesseraQuantizedParams`` in quantized/params.h (the 8-bit kernels' launch)."""
+
+    _fields_ = [
+        ("attn", TesseraAttnParams),
+        ("q_scale", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p),
+        ("v_mean", ctypes.c_void_p),
+        ("lse_shift", ctypes.c_void_p),
+        ("seq_kv_padded", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+class TesseraQuantizeParams(ctypes.Structure):
+    """Mirror of ``TesseraQuantizeParams`` in quantized/params.h (the quantization pass)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("q_stride", ctypes.c_int64 * 3),
+        ("k_stride", ctypes.c_int64 * 3),
+        ("v_stride", ctypes.c_int64 * 3),
+        ("batch", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("seq_q", ctypes.c_int32),
+        ("seq_kv", ctypes.c_int32),
+        ("seq_kv_padded", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("segments", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+        ("q8", ctypes.c_void_p),
+        ("q_scale", ctypes.c_void_p),
+        ("k8", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p),
+        ("v8", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p),
+        ("v_mean", ctypes.c_void_p),
+        ("k_mean", ctypes.c_void_p),
+        ("lse_shift", ctypes.c_void_p),
+        ("partials", ctypes.c_void_p),
     ]
 
 
@@ -171,6 +219,10 @@ ENTRY_POINTS = ("tessera_abi_version", "tessera_num_kernels", "tessera_kernel_na
                 "tessera_attention_forward", "tessera_split_merge")
 PREPARE_FUNCTIONS = ("tessera_struct_bytes", "tessera_prepare_counts", "tessera_prepare_fill", "tessera_mask_counts")
 GROUPING_FUNCTIONS = ("tessera_group_query_blocks",)
+QUANTIZED_FUNCTIONS = ("tessera_quantized_num_kernels", "tessera_quantized_kernel_name",
+                       "tessera_quantized_kernel_ctas_per_sm", "tessera_quantized_struct_bytes", "tessera_quantize",
+                       "tessera_quantized_attention_forward")
+QUANTIZED_STRUCT_IDS = {TesseraQuantizedParams: 0, TesseraQuantizeParams: 1}  # TesseraQuantizedStruct
 # argtypes of the entry points that take more than ints (every one returns an int unless typed here).
 ARGTYPES = {
     "tessera_attention_forward": [ctypes.c_int, ctypes.POINTER(TesseraAttnParams), ctypes.c_void_p],
@@ -180,8 +232,12 @@ ARGTYPES = {
     "tessera_prepare_fill": [ctypes.POINTER(TesseraPrepareParams), ctypes.c_void_p],
     "tessera_mask_counts": [ctypes.POINTER(TesseraMaskCountsParams), ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p],
     "tessera_group_query_blocks": [ctypes.POINTER(TesseraGroupParams), ctypes.c_void_p],
+    "tessera_quantized_struct_bytes": [ctypes.c_int],
+    "tessera_quantize": [ctypes.POINTER(TesseraQuantizeParams), ctypes.c_void_p],
+    "tessera_quantized_attention_forward": [ctypes.c_int, ctypes.POINTER(TesseraQuantizedParams), ctypes.c_void_p],
 }
-RESTYPES = {"tessera_kernel_name": ctypes.c_char_p, "tessera_error_string": ctypes.c_char_p}
+RESTYPES = {"tessera_kernel_name": ctypes.c_char_p, "tessera_error_string": ctypes.c_char_p,
+            "tessera_quantized_kernel_name": ctypes.c_char_p}
 
 
 @dataclass(frozen=True)
@@ -229,7 +285,8 @@ def load_library() -> NativeLibrary:
         raise CatalogError(f"{path} is not a Tessera kernel library (no {missing[0]}); unset TESSERA_NATIVE_LIB "
                            "or point it at a build of csrc/build_native.py")
     for name, restype in RESTYPES.items():
-        getattr(handle, name).restype = restype
+        if hasattr(handle, name):
+            getattr(handle, name).restype = restype
     for name, argtypes in ARGTYPES.items():
         if hasattr(handle, name):
             getattr(handle, name).argtypes = argtypes
@@ -286,6 +343,37 @@ def grouping_library() -> NativeLibrary | None:
         return None
     check_mirrors(lib, (TesseraGroupParams,))
     return lib
+
+
+@dataclass(frozen=True)
+class QuantizedLibrary:
+    """The 8-bit part of the loaded library: its kernels by name."""
+
+    lib: NativeLibrary
+    kernel_ids: dict  # name -> id of tessera_quantized_attention_forward
+
+
+@cache
+def quantized_library() -> QuantizedLibrary | None:
+    """The 8-bit kernels and quantization pass of the loaded library, or None (no library, or one
+    built without an sm90 target). Raises ``CatalogError`` if a mirror differs in size from the
+    library's struct, or the library holds 8-bit kernels the kernel table does not know."""
+    try:
+        lib = load_library()
+    except CatalogError:
+        return None
+    if not lib.exports(QUANTIZED_FUNCTIONS):
+        return None
+    handle = lib.handle
+    for struct, which in QUANTIZED_STRUCT_IDS.items():
+        if handle.tessera_quantized_struct_bytes(which) != ctypes.sizeof(struct):
+            raise CatalogError(f"{lib.path}: {struct.__name__} has {handle.tessera_quantized_struct_bytes(which)} "
+                               f"bytes, its mirror in library.py {ctypes.sizeof(struct)}; rebuild the library")
+    names = [handle.tessera_quantized_kernel_name(i).decode() for i in range(handle.tessera_quantized_num_kernels())]
+    known = {row.name for row in quantized_rows()}
+    if any(n not in known for n in names):
+        raise CatalogError(f"{lib.path} holds 8-bit kernels the kernel table does not know; rebuild it")
+    return QuantizedLibrary(lib, {n: i for i, n in enumerate(names)})
 
 
 def native_path_enabled(device: torch.device) -> bool:

@@ -219,6 +219,10 @@ def with_grouped_layouts(plans: list[PhysicalPlan]) -> list[PhysicalPlan]:
     return [*plans, *(p.grouped() for p in plans if p.q_layout is QLayout.NATURAL and p.groups_in_kernel)]
 
 
+# Precisions a request may ask for: the inputs' own (the default) or the 8-bit kernels.
+INPUT_PRECISION = "input"
+PRECISIONS = (INPUT_PRECISION, "int8")
+
 # The plan table key of a mask that comes back is the request key with this suffix.
 REUSED_KEY_SUFFIX = "/reused"
 
@@ -240,11 +244,16 @@ class Request:
     # A mask that comes back (its plan re-prepared once, ``Runtime.regrouped``): the grouped query
     # layout is among its plans, and the plan table ranks it under its own key (``/reused``).
     reused_mask: bool = False
+    # "input": the kernels compute in q's dtype (bf16 or fp16); "int8": the 8-bit kernels
+    # (quantized.py), which run the plans of the 16-bit request (``Selector.quantized``).
+    precision: str = "input"
 
     @property
     def key(self) -> str:
-        """The request key of the plan table."""
+        """The request key of the plan table (an 8-bit request adds ``/int8``)."""
         key = f"{self.arch}/Q{self.block_q}K{self.block_kv}/d{self.head_dim}/{self.dtype}/bshd"
+        if self.precision != INPUT_PRECISION:
+            key += f"/{self.precision}"
         return key + REUSED_KEY_SUFFIX if self.reused_mask else key
 
     @property

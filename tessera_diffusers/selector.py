@@ -46,6 +46,7 @@ for none of them again.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -58,7 +59,8 @@ from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
 from .mask_state import MaskState
 from .plan_table import STAT_NAMES, PlanTable, RankedPlan, Regime, RegimeTree, ScheduleRule, default_table, tile_group
-from .plans import Family, KernelSpec, PhysicalPlan, QLayout, Request
+from .kernel_table import quantized_variant
+from .plans import INPUT_PRECISION, Family, KernelSpec, PhysicalPlan, QLayout, Request
 
 AUTO = "auto"  # Selector.table: the shipped table of each request's architecture
 Warn = Callable[[str], None]
@@ -302,6 +304,25 @@ class Selector:
                 arbitrated = self._arbitrate(entry, index, request, state, selection, reuse=False)
                 return self._schedule(entry, index, request, state, arbitrated, reuse=False)
         return self._cost_model(entry, request, state)
+
+    def quantized(self, request: Request, state: MaskState, warn: Warn | None = None) -> Selection:
+        """The decision for an 8-bit request (``request.precision == "int8"``). The 8-bit kernels
+        run the plans of the 16-bit request, so that request is ranked (plan table or cost model)
+        and its best-ranked eligible plan whose kernel has an 8-bit variant is chosen; plans the
+        ranking does not name follow in the cost model's order. ``chosen`` None: no such plan."""
+        base = dataclasses.replace(request, precision=INPUT_PRECISION)
+        ranked = self.rank(base, state, warn)
+        entry = self._requests.get(base) or self._entry(base, warn)
+        estimated = self._cost_model(entry, base, state)
+        plans = {p.name: p for p in entry.eligible or ()}
+        position = {name: i for i, (name, _) in enumerate(ranked.ranking)}
+        estimates = dict(estimated.ranking)
+        names = sorted((n for n, p in plans.items() if has_quantized_variant(p)),
+                       key=lambda n: (position.get(n, len(position)), estimates.get(n, math.inf)))
+        rejected = tuple((n, "its kernel has no 8-bit variant") for n in plans if n not in names)
+        notes = ranked.notes + (f"precision int8: the best-ranked plan of {base.key} that an 8-bit kernel runs",)
+        return Selection(request, tuple((n, estimates.get(n)) for n in names), rejected + ranked.rejected,
+                         plans[names[0]] if names else None, ranked.source, ranked.regime, notes)
 
     def clear(self) -> None:
         self._requests.clear()
@@ -557,6 +578,12 @@ def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
 
 def warn_user(message: str) -> None:
     warnings.warn(message, stacklevel=4)
+
+
+def has_quantized_variant(plan: PhysicalPlan) -> bool:
+    """Whether an 8-bit kernel runs ``plan`` (a Hopper kernel of a tile the 8-bit kernels have)."""
+    k = plan.kernel
+    return k.family is Family.HOPPER and quantized_variant(k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages) is not None
 
 
 def native_candidates(request: Request, assume_native: bool = False) -> tuple[list[PhysicalPlan], str | None]:

@@ -90,7 +90,7 @@ BASELINE_NAMES: tuple[str, ...] = (
     "flex-block-attn",
     "reference",
 )
-TESSERA_NAMES: tuple[str, ...] = ("tessera", "tessera-plans")
+TESSERA_NAMES: tuple[str, ...] = ("tessera", "tessera-plans", "tessera-int8", "tessera-int8-kernel")
 BACKEND_NAMES: tuple[str, ...] = BASELINE_NAMES + TESSERA_NAMES
 FLASHINFER_NAMES: tuple[str, ...] = tuple(n for n in BASELINE_NAMES if n.startswith("flashinfer"))
 # The ThunderKittens peers (bench/thunderkittens_backends.py): built on the GPU machine, not on PyPI.

@@ -31,7 +31,7 @@ from .backends import Backend, FlexAttentionBackend, FlexAttentionTuned, OracleB
 from .config import BenchConfig, default_backends
 from .flashinfer_backends import FlashInferBsr, FlashInferVariable
 from .problem import OracleCheck, Problem, check_heads, dtype_named, make_inputs
-from .tessera_backends import TesseraPlan, TesseraSelected, candidate_plans
+from .tessera_backends import TesseraPlan, TesseraQuantized, TesseraSelected, candidate_plans
 from .thunderkittens_backends import FBA_NAME, VSA_NAME, FlexBlockAttnBackend, VsaBackend
 from .timing import INTERLEAVED_WARM_LAUNCHES, Timing, synchronize, time_interleaved, time_kernel, time_request
 
@@ -56,6 +56,8 @@ def make_backend(name: str) -> Backend:
         return OracleBackend()
     if name == "tessera":
         return TesseraSelected()
+    if name in ("tessera-int8", "tessera-int8-kernel"):
+        return TesseraQuantized(kernel_only=name.endswith("-kernel"))
     if name.startswith("flashinfer-"):
         _, wrapper, backend = name.split("-")
         return FlashInferBsr(backend) if wrapper == "bsr" else FlashInferVariable(backend)
@@ -68,7 +70,7 @@ def make_backend(name: str) -> Backend:
 
 # Dense baselines first (they are the yardstick), FlashInfer and the ThunderKittens peers last (a
 # CUDA error there would poison the context for everything measured after it).
-ORDER = ("sdpa-cudnn", "sdpa-fa2", "tessera", "tessera-plans", "flex", "reference")
+ORDER = ("sdpa-cudnn", "sdpa-fa2", "tessera", "tessera-int8", "tessera-int8-kernel", "tessera-plans", "flex", "reference")
 
 
 def ordered(names: Iterable[str]) -> list[str]:
@@ -154,8 +156,16 @@ def validate(state: RunState, backend: Backend, problem: Problem, inputs: list, 
         out = backend.run(prepared, converted[0])
         synchronize(problem.device)
         record["first_call_s"] = time.perf_counter() - start  # includes compilation / JIT
-        if isinstance(backend, TesseraSelected):
+        if isinstance(backend, (TesseraSelected, TesseraQuantized)):
             record["selected_plan"] = backend.chosen_plan(prepared)
+        if backend.kind == "quantized":  # held to the 8-bit budget against the oracle
+            fit = oracle.agreement(backend.to_bshd(out, problem))
+            del out
+            record["check"] = {"cosine": fit.cosine, "relative_l2": fit.relative_l2, "ok": fit.within_budget()}
+            if not fit.within_budget():
+                return failure(described(record, backend), "invalid",
+                               f"outside the 8-bit budget: cosine {fit.cosine:.5f}, relative L2 {fit.relative_l2:.4f}"), None
+            return record, Held(backend, prepared, converted)
         check = oracle.compare(backend.to_bshd(out, problem))
         del out
         record["check"] = check.to_dict()

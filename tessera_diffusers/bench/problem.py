@@ -196,6 +196,16 @@ class OracleCheck:
                      tuple(self.heads))
 
 
+    def agreement(self, out: torch.Tensor):
+        """An 8-bit backend's full output ``[B, Sq, H, D]`` against the oracle on the checked heads
+        (``quantized.agreement``: cosine and relative L2; rows without keys must be 0 in both)."""
+        from ..quantized import agreement
+
+        if self._ref is None:
+            self._compute()
+        return agreement(out[:, :, self.heads].float(), self._ref)
+
+
 def max_error(out: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> float:
     """Largest ``|out - ref|`` over the ``rows [B, S, H]`` selected (0 if none)."""
     if not bool(rows.any()):

@@ -8,6 +8,8 @@ is cached between requests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..catalog import reference_kernel
@@ -133,3 +135,52 @@ class TesseraPlan(Backend):
             "tasks": plan.tasks.name,
             "kernel": plan.kernel.name,
         }
+
+
+class TesseraQuantized(Backend):
+    """The 8-bit path (``precision="int8"``): the plan ``Selector.quantized`` picks, run by its 8-bit
+    kernel. ``tessera-int8`` times what a call does on a prepared plan, the quantization pass and
+    the kernel; ``tessera-int8-kernel`` the kernel alone, on inputs quantized beforehand. Its output
+    is held to the 8-bit budget (``quantized.MIN_COSINE``, ``MAX_RELATIVE_L2``), not the 16-bit one."""
+
+    kind = "quantized"
+
+    def __init__(self, kernel_only: bool = False):
+        self.kernel_only = kernel_only
+        self.name = "tessera-int8-kernel" if kernel_only else "tessera-int8"
+
+    def prepare(self, problem: Problem) -> tuple[PreparedPlan, float]:
+        from ..library import quantized_library
+
+        try:
+            if quantized_library() is None:
+                raise Skip("this build of the library has no 8-bit kernels")
+        except CatalogError as err:
+            raise Skip(f"native kernels unavailable: {err}") from err
+        state = build_mask_state(problem.mask)
+        request = dataclasses.replace(request_of(problem), precision="int8")
+        selection = Selector().quantized(request, state)
+        if selection.chosen is None:
+            raise Skip("no plan of this request has an 8-bit kernel")
+        return prepare(selection.chosen, state), problem.scale
+
+    def convert(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
+        if not self.kernel_only:
+            return (q, k, v)
+        from ..quantized_ops import quantize
+
+        return (q, k, v, quantize(q, k, v, 1.0 / q.shape[-1] ** 0.5))
+
+    def run(self, prepared: tuple[PreparedPlan, float], inputs: Inputs) -> torch.Tensor:
+        from ..quantized_ops import run_quantized
+
+        plan, scale = prepared
+        q, k, v = inputs[:3]
+        return run_quantized(plan, q, k, v, scale, False, quantized=inputs[3] if self.kernel_only else None)
+
+    def request(self, problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return Runtime().attention(q, k, v, problem.mask, scale=problem.scale, precision="int8")
+
+    @staticmethod
+    def chosen_plan(prepared: tuple[PreparedPlan, float]) -> str:
+        return prepared[0].plan.name

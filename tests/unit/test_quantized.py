@@ -115,3 +115,99 @@ def test_non_finite_inputs_are_refused(name):
     tensors[name][0, 5, 1, 3] = math.inf
     with pytest.raises(InvalidArgumentError, match=name):
         quantized.attention(tensors["q"], tensors["k"], tensors["v"], mask)
+
+
+# ---- the native 8-bit path's CPU-checkable parts --------------------------------------------------
+
+
+def test_a_v8_chunk_holds_each_token_once_in_the_p_fragments_column_order():
+    """Byte j of a chunk row holds token chunk_token(j): thread t of a quad holds score columns 2t,
+    2t + 1, 2t + 8, 2t + 9 and the 8-bit A operand reads its bytes as columns 4t .. 4t + 3."""
+    from tessera_diffusers.quantized_ops import CHUNK, chunk_token
+
+    assert sorted(chunk_token(j) for j in range(CHUNK)) == list(range(CHUNK))
+    for t in range(4):
+        assert [chunk_token(4 * t + b) for b in range(4)] == [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]
+
+
+def test_v_tokens_undoes_the_chunk_layout():
+    from tessera_diffusers.quantized_ops import CHUNK, QuantizedTensors, chunk_token
+
+    batch, heads, seq, dim = 1, 2, 40, 128
+    v = torch.randint(-127, 128, (batch, seq, heads, dim), dtype=torch.int8)
+    padded = torch.zeros(batch, 48, heads, dim, dtype=torch.int8)
+    padded[:, :seq] = v
+    order = torch.tensor([chunk_token(j) for j in range(CHUNK)])
+    chunks = padded.view(batch, 3, CHUNK, heads, dim).permute(0, 3, 1, 4, 2)[..., order]  # [B, H, C, D, 16]
+    empty = torch.empty(0)
+    x = QuantizedTensors(empty, empty, torch.empty(batch, heads, 48, dim), empty, chunks.contiguous(), empty, empty,
+                         empty, empty, seq)
+    assert torch.equal(x.v_tokens(), v)
+
+
+def test_an_8bit_request_has_its_own_key_and_unknown_precisions_are_refused():
+    from tessera_diffusers.plans import Request
+    from tessera_diffusers.runtime import make_request
+
+    base = Request(1, 2, 256, 256, 128, "bf16", 64, 64, "sm90")
+    assert base.key == "sm90/Q64K64/d128/bf16/bshd"
+    assert Request(1, 2, 256, 256, 128, "bf16", 64, 64, "sm90", precision="int8").key == base.key + "/int8"
+    mask = random_mask(1, 2, 256, 256, 64, 64, density=0.5, seed=0)
+    q, k, _ = random_qkv(1, 256, 256, 2, 128, torch.float32, "cpu")
+    with pytest.raises(InvalidArgumentError, match="precision"):
+        make_request(q, k, mask, False, "fp8")
+
+
+def test_int8_where_no_8bit_kernel_runs_warns_once_and_gives_the_16bit_result():
+    from tessera_diffusers import Runtime
+
+    mask = random_mask(1, 2, 300, 300, 64, 64, density=0.4, seed=1)
+    q, k, v = random_qkv(1, 300, 300, 2, 128, torch.float32, "cpu", seed=1)
+    runtime = Runtime()
+    with pytest.warns(UserWarning, match="int8.*unavailable"):
+        out = runtime.attention(q, k, v, mask, precision="int8")
+    torch.testing.assert_close(out, reference.attention(q, k, v, mask))
+
+
+def test_the_8bit_choice_is_the_best_ranked_plan_an_8bit_kernel_runs():
+    from tessera_diffusers.catalog import all_kernels
+    from tessera_diffusers.mask_state import build_mask_state
+    from tessera_diffusers.plans import Request
+    from tessera_diffusers.selector import Selector, has_quantized_variant
+
+    mask = random_mask(1, 2, 4096, 4096, 64, 64, density=0.1, seed=2)
+    request = Request(1, 2, 4096, 4096, 128, "bf16", 64, 64, "sm90", precision="int8")
+    selection = Selector(kernels=all_kernels()).quantized(request, build_mask_state(mask))
+    assert selection.chosen is not None and has_quantized_variant(selection.chosen)
+    assert selection.ranking[0][0] == selection.chosen.name
+    assert all(reason for _, reason in selection.rejected)
+    assert any("8-bit" in note for note in selection.notes)
+
+
+def test_8bit_sources_stay_out_of_the_16bit_kernels_hash(tmp_path):
+    """An edit of the 8-bit path leaves the 16-bit plan table current (build_native.QUANTIZED_ONLY)."""
+    import importlib.util
+    import os
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("build_native_for_test", os.path.join(root, "csrc", "build_native.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    src = tmp_path / "csrc"
+    shutil.copytree(os.path.join(root, "csrc", "include"), src / "include")
+    shutil.copytree(os.path.join(root, "csrc", "kernels"), src / "kernels")
+    dirs = [str(src / "include"), str(src / "kernels")]
+
+    def hashes():
+        return (build.kernel_sources_hash(dirs, {}, [], [], exclude=build.GROUPING_ONLY + build.QUANTIZED_ONLY),
+                build.kernel_sources_hash(dirs, {}, [], [], exclude=build.GROUPING_ONLY))
+
+    before = hashes()
+    with open(src / "include" / "tessera" / "quantized" / "attention.cuh", "a") as f:
+        f.write("\nnamespace tessera { constexpr int kEdited = 1; }\n")
+    after = hashes()
+    assert after[0] == before[0] and after[1] != before[1]
+    with open(src / "include" / "tessera" / "tasks.cuh", "a") as f:
+        f.write("\nnamespace tessera { constexpr int kShared = 1; }\n")
+    assert hashes()[0] != before[0]

@@ -1,0 +1,438 @@
+// 8-bit Hopper (sm90a) block-sparse attention forward over the 16-bit kernels' plans and metadata
+// (tessera/tasks.cuh): the same warp specialization, pipeline barriers, ping-pong and masking
+// (tessera/hopper/), on the quantization pass's tensors (tessera/quantized/params.h).
+//   producer   one thread: Q and K by TMA (a box per query tile or unit, a box per KV slot), the
+//              slot's K scales and its V^T chunks by bulk copies (v8's chunks are contiguous);
+//   consumers  per KV tile i, inside each warpgroup:
+//                issue S = Q8 K8_i^T (int32);  issue O_i = P8_{i-1} V8_{i-1} (int32);  wait S;
+//                scores = S * k_scale (columns) * q_scale * scale (rows), masked; online softmax;
+//                P8_i = round(255 * p / max_tile p) (uint8, packed in the A operand's registers);
+//                wait O_i;  O = (O + c_{i-1} O_i) * alpha_i,  c = max_tile p / 255
+//              then the epilogue: O * v_scale / row sum + v_mean, lse + lse_shift.
+// Static schedule only (every gridDim.x-th task): the launcher refuses a task counter.
+#pragma once
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+
+#include "tessera/hopper/epilogue.cuh"  // row_outputs, store_lse
+#include "tessera/hopper/mainloop.cuh"  // wgmma_issue, mask_scores, PingPong
+#include "tessera/hopper/pipeline.cuh"  // barriers, PipeState
+#include "tessera/quantized/params.h"
+#include "tessera/quantized/traits.cuh"
+#include "tessera/tasks.cuh"
+
+namespace tessera::quantized {
+
+using hopper::Barrier;
+using hopper::PingPong;
+using hopper::PipelineBarriers;
+using hopper::PipeState;
+using hopper::TxBarrier;
+using portable::fast_exp2;
+
+// TMA descriptors of one launch: Q boxes of kTileQ rows (q_unit rows in the grouped layout) and K
+// boxes of kv_unit rows, kHeadDim bytes wide, 128-byte swizzled.
+struct TmaMaps {
+  CUtensorMap q, k;
+};
+
+// x + 1.5 * 2^23 holds x's integer value in its low mantissa bits for |x| < 2^22: an int32 becomes
+// a float with an integer add and a float subtract, a float in [0, 255] a rounded byte with one
+// add (round to nearest even, as the twin's torch.round).
+constexpr float kMagic = 12582912.f;
+constexpr int kMagicBits = 0x4B400000;
+
+__device__ __forceinline__ float magic_float(int32_t x) { return __int_as_float(x + kMagicBits); }  // x + kMagic
+
+// Four rounded bytes (fmaf(p, 255, kMagic) values) as one 32-bit word, a first.
+__device__ __forceinline__ uint32_t pack_bytes(float a, float b, float c, float d) {
+  const uint32_t lo = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x3340);
+  const uint32_t hi = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x3340);
+  return __byte_perm(lo, hi, 0x5410);
+}
+
+// ---- producer ----------------------------------------------------------------------------------
+
+template <class T>
+__device__ __forceinline__ void load_q(const TesseraAttnParams& p, const TmaMaps& tma, const Task& t, int8_t* q_smem,
+                                       uint64_t* q_full) {
+  TxBarrier::arrive_and_expect_tx(q_full, T::kSmemQTileBytes);
+  if (p.q_units == nullptr) {
+    SM90_TMA_LOAD_4D::copy(&tma.q, q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST), q_smem, 0, t.q_tile * T::kTileQ,
+                           t.h, t.b);
+  } else {  // grouped layout: one box of q_unit rows per query unit, at the unit's token rows
+    const int q_unit = 1 << p.q_unit_log2;
+    const int kq = T::kTileQ >> p.q_unit_log2;
+    const int32_t* units = p.q_units + t.meta_row * kq;
+    for (int a = 0; a < kq; ++a) {
+      const int row = max(__ldg(units + a), 0) << p.q_unit_log2;  // no unit: rows of unit 0, never stored
+      SM90_TMA_LOAD_4D::copy(&tma.q, q_full, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                             q_smem + a * q_unit * T::kHeadDim, 0, row, t.h, t.b);
+    }
+  }
+}
+
+// K (a TMA box per slot) with its scales, then V^T (a bulk copy per slot: a slot of kv_unit tokens
+// is kv_unit / 16 contiguous chunks of v8), once per KV tile of task t, each after its stage is free.
+template <class T>
+__device__ __forceinline__ void load_tiles(const TesseraQuantizedParams& qp, const TmaMaps& tma, const Task& t,
+                                           unsigned char* smem, PipelineBarriers<T::kStages, T::kQStages>& bar,
+                                           PipeState<T::kStages>& write) {
+  const TesseraAttnParams& p = qp.attn;
+  const int unit = 1 << p.kv_unit_log2;
+  const int64_t bh = int64_t(t.b) * p.heads + t.h;
+  const float* k_scale = qp.k_scale + bh * qp.seq_kv_padded;
+  const int8_t* v8 = static_cast<const int8_t*>(p.v) + bh * qp.seq_kv_padded * T::kHeadDim;
+  for (int tile = t.tile_begin; tile < t.tile_end; ++tile) {
+    const int32_t* slots = tile_slots(p, t, tile);
+    int start[T::kMaxSlots];
+    CUTE_UNROLL
+    for (int j = 0; j < T::kMaxSlots; ++j) start[j] = j < p.slots ? max(__ldg(slots + j), 0) : 0;
+    const int s = write.stage;
+    int8_t* k_stage = reinterpret_cast<int8_t*>(smem + T::kSmemKOffset) + s * T::kSmemKTileBytes;
+    int8_t* v_stage = reinterpret_cast<int8_t*>(smem + T::kSmemVOffset) + s * T::kSmemKTileBytes;
+    float* ks_stage = reinterpret_cast<float*>(smem + T::kSmemKScaleOffset) + s * T::kTileKV;
+    Barrier::wait(&bar.k_empty[s], write.phase ^ 1u);
+    TxBarrier::arrive_and_expect_tx(&bar.k_full[s], T::kSmemKTileBytes + T::kSmemKScaleBytes);
+    for (int j = 0; j < p.slots; ++j) {
+      SM90_TMA_LOAD_4D::copy(&tma.k, &bar.k_full[s], uint64_t(TMA::CacheHintSm90::EVICT_LAST),
+                             k_stage + j * unit * T::kHeadDim, 0, start[j], t.h, t.b);
+      SM90_BULK_COPY_G2S::copy(k_scale + start[j], &bar.k_full[s], ks_stage + j * unit, unit * int(sizeof(float)));
+    }
+    Barrier::wait(&bar.v_empty[s], write.phase ^ 1u);
+    TxBarrier::arrive_and_expect_tx(&bar.v_full[s], T::kSmemKTileBytes);
+    for (int j = 0; j < p.slots; ++j)
+      SM90_BULK_COPY_G2S::copy(v8 + int64_t(start[j]) * T::kHeadDim, &bar.v_full[s], v_stage + j * unit * T::kHeadDim,
+                               unit * T::kHeadDim);
+    write.advance();
+  }
+}
+
+template <class T>
+__device__ void producer_loop(const TesseraQuantizedParams& qp, const TmaMaps& tma, unsigned char* smem,
+                              PipelineBarriers<T::kStages, T::kQStages>& bar) {
+  if (threadIdx.x != 0) return;
+  const TesseraAttnParams& p = qp.attn;
+  cute::prefetch_tma_descriptor(&tma.q);
+  cute::prefetch_tma_descriptor(&tma.k);
+  PipeState<T::kStages> write;
+  PipeState<T::kQStages> write_q;
+  const int64_t tasks = num_tasks(p);
+  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
+    const Task t = decode_task(p, task_id);
+    if (t.tile_end <= t.tile_begin) continue;  // the consumers write the empty-row epilogue alone
+    Barrier::wait(&bar.q_empty[write_q.stage], write_q.phase ^ 1u);
+    load_q<T>(p, tma, t, reinterpret_cast<int8_t*>(smem) + write_q.stage * T::kSmemQTileBytes,
+              &bar.q_full[write_q.stage]);
+    write_q.advance();
+    load_tiles<T>(qp, tma, t, smem, bar, write);
+  }
+}
+
+// ---- consumers ---------------------------------------------------------------------------------
+
+// Online softmax of one tile's int32 scores `s` into the packed P operand `prob_w`: the scores are
+// s * k_scale (column) * rf (row: q_scale * scale * log2 e), masked where `act` says; returns in
+// `alpha` the factor for what was accumulated under the previous reference and in `tile_unit` the
+// value of one P step (max_tile p / 255, relative to the new reference; 0 for a row none of whose
+// tile columns is active). The row sums take the probabilities before rounding.
+template <class T, class FragS, class FragP>
+__device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const Task& t, int tile,
+                                              const TileActivity& act, const FragS& s,
+                                              const float* ks_stage, int lane_col, const int (&row_of_half)[2],
+                                              const float (&rf)[2], float (&row_max)[2], float (&row_sum)[2],
+                                              float (&alpha)[2], float (&tile_unit)[2], FragP& prob_w) {
+  constexpr int kVals = decltype(size(s))::value;
+  Tensor sf = make_tensor<float>(s.layout());
+  CUTE_UNROLL
+  for (int j = 0; j < kVals / 4; ++j) {  // n8 block j: columns lane_col + 8 j + {0, 1}, both row halves
+    const float2 ks = *reinterpret_cast<const float2*>(ks_stage + lane_col + 8 * j);
+    sf(4 * j + 0) = (magic_float(s(4 * j + 0)) - kMagic) * ks.x;
+    sf(4 * j + 1) = (magic_float(s(4 * j + 1)) - kMagic) * ks.y;
+    sf(4 * j + 2) = (magic_float(s(4 * j + 2)) - kMagic) * ks.x;
+    sf(4 * j + 3) = (magic_float(s(4 * j + 3)) - kMagic) * ks.y;
+  }
+  if (act.needs_mask) hopper::mask_scores<T>(p, act, tile_slots(p, t, tile), sf, lane_col, row_of_half);
+  float base[2];
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    float m = -CUDART_INF_F;
+    CUTE_UNROLL
+    for (int e = 2 * half; e < kVals; e += 4) m = fmaxf(m, fmaxf(sf(e), sf(e + 1)));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf[half];
+    // Lazy reference (as the 16-bit 64-column kernels): it moves only when the tile exceeds it by
+    // more than 2^kRescaleThreshold, also when the row had no active score yet (alpha 0 then).
+    // P is rounded against the tile's own maximum, so a stale reference costs no precision.
+    const bool moves = tile_ref > row_max[half] + T::kRescaleThreshold;
+    alpha[half] = moves ? fast_exp2(row_max[half] - tile_ref) : 1.f;
+    if (moves) row_max[half] = tile_ref;
+    const float ref = row_max[half] == -CUDART_INF_F ? 0.f : row_max[half];
+    base[half] = tile_ref == -CUDART_INF_F ? 0.f : tile_ref;
+    tile_unit[half] = tile_ref == -CUDART_INF_F ? 0.f : fast_exp2(tile_ref - ref) * (1.f / 255.f);
+  }
+  float sum[2] = {0.f, 0.f};
+  CUTE_UNROLL
+  for (int w = 0; w < kVals / 4; ++w) {  // word w: values e0, e0 + 1, e0 + 4, e0 + 5 of one row half
+    const int e0 = 2 * (w & 1) + 8 * (w >> 1);
+    const int half = w & 1;
+    float byte[4];
+    CUTE_UNROLL
+    for (int b = 0; b < 4; ++b) {
+      const float e = fast_exp2(fmaf(sf(e0 + (b & 1) + 4 * (b >> 1)), rf[half], -base[half]));  // p / max_tile p
+      sum[half] += e;
+      byte[b] = fmaf(e, 255.f, kMagic);
+    }
+    prob_w(w) = pack_bytes(byte[0], byte[1], byte[2], byte[3]);
+  }
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) row_sum[half] = row_sum[half] * alpha[half] + sum[half] * 255.f * tile_unit[half];
+}
+
+// O += unit * O_tile per row half, O_tile the int32 product of one tile (exact in fp32).
+template <class FragO, class FragOi>
+__device__ __forceinline__ void accumulate(FragO& o, const FragOi& oi, const float (&unit)[2]) {
+  CUTE_UNROLL
+  for (int e = 0; e < size(o); ++e) o(e) = fmaf(unit[(e >> 1) & 1], magic_float(oi(e)) - kMagic, o(e));
+}
+
+// O *= alpha per row half, skipped by a warp none of whose rows moved its reference.
+template <class FragO>
+__device__ __forceinline__ void rescale(FragO& o, const float (&alpha)[2]) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+    CUTE_UNROLL
+    for (int e = 0; e < size(o); ++e) o(e) *= alpha[(e >> 1) & 1];
+  }
+}
+
+// The task's output: O * v_scale / row sum + v_mean (0 for an empty row), lse + lse_shift.
+template <class T, class FragO, class CoordO>
+__device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, const Task& t, const FragO& o,
+                                             const float (&row_max)[2], const float (&row_sum)[2],
+                                             const CoordO& coords, const int (&row_of_half)[2]) {
+  using Output = typename T::Output;
+  const TesseraAttnParams& p = qp.attn;
+  hopper::RowOutputs r = hopper::row_outputs<T>(p, t, row_max, row_sum, row_of_half);
+  const int64_t bh = int64_t(t.b) * p.heads + t.h;
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half)
+    if (r.row[half] >= 0) r.lse[half] += __ldg(qp.lse_shift + bh * p.seq_q + r.row[half]);
+  const float* v_scale = qp.v_scale + bh * T::kHeadDim;
+  const float* v_mean = qp.v_mean + bh * T::kHeadDim;
+  const bool split = p.num_splits > 1;
+  const int64_t rows_per_split = int64_t(p.batch) * p.heads * p.seq_q;
+  const bool paired = (reinterpret_cast<uintptr_t>(p.o) & 3u) == 0 &&
+                      ((p.o_stride[0] | p.o_stride[1] | p.o_stride[2]) & 1) == 0;
+  CUTE_UNROLL
+  for (int e = 0; e < size(o); e += 2) {
+    const int half = (e >> 1) & 1;
+    const int row = r.row[half];
+    if (row < 0) continue;
+    const int col = int(get<1>(coords(e)));
+    const float2 vs = __ldg(reinterpret_cast<const float2*>(v_scale + col));
+    const float2 vm = __ldg(reinterpret_cast<const float2*>(v_mean + col));
+    const float inv = r.inv[half];
+    const bool keys = inv != 0.f;  // an empty row stays 0 (v_mean is added to weights summing to 1)
+    const float v0 = keys ? fmaf(o(e) * inv, vs.x, vm.x) : 0.f;
+    const float v1 = keys ? fmaf(o(e + 1) * inv, vs.y, vm.y) : 0.f;
+    if (split) {
+      const int64_t part = int64_t(t.split) * rows_per_split + bh * p.seq_q + row;
+      *reinterpret_cast<float2*>(p.o_partial + part * T::kHeadDim + col) = make_float2(v0, v1);
+    } else {
+      Output* out = static_cast<Output*>(p.o) + int64_t(t.b) * p.o_stride[0] + int64_t(row) * p.o_stride[1] +
+                    int64_t(t.h) * p.o_stride[2] + col;
+      const Output e0 = static_cast<Output>(v0), e1 = static_cast<Output>(v1);
+      if (paired) {
+        *reinterpret_cast<uint32_t*>(out) = uint32_t(e0.raw()) | (uint32_t(e1.raw()) << 16);
+      } else {
+        out[0] = e0;
+        out[1] = e1;
+      }
+    }
+  }
+  hopper::store_lse(p, t, r);
+}
+
+template <class T, class SmemQ, class SmemK, class SmemVt>
+__device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK& sK, SmemVt& sVt,
+                              const float* ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
+  const TesseraAttnParams& p = qp.attn;
+  const int ctid = threadIdx.x - T::kProducerThreads;
+  typename T::MmaQK mma_qk;
+  typename T::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(ctid);
+  auto thr_pv = mma_pv.get_thread_slice(ctid);
+  Tensor tQ = thr_qk.partition_fragment_A(sQ);    // descriptors (MMA, MMA_M, MMA_K, Q BUFFERS)
+  Tensor tK = thr_qk.partition_fragment_B(sK);    // descriptors (MMA, MMA_N, MMA_K, STAGES)
+  Tensor tVt = thr_pv.partition_fragment_B(sVt);  // descriptors (MMA, MMA_N, MMA_K, STAGES)
+  const Tensor coords_s = thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kTileKV>>{}));
+  const Tensor coords_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{}));
+  const int row_of_half[2] = {int(get<0>(coords_s(0))), int(get<0>(coords_s(2)))};
+  const int lane_col = int(get<1>(coords_s(0)));
+
+  Tensor s = partition_fragment_C(mma_qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});  // int32
+  Tensor oi = partition_fragment_C(mma_pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{});  // int32, one tile
+  Tensor o = make_fragment_like<float>(oi);
+  // P in the register layout of the 8-bit A operand: ((4, 2, 2), 1, kTileKV / 32) bytes; word w
+  // holds score values e0, e0 + 1, e0 + 4, e0 + 5 (e0 = 2 (w & 1) + 8 (w >> 1)), and v8's token
+  // order within a chunk (TESSERA_V_CHUNK_TOKEN) makes that the A operand's column order.
+  Tensor prob = make_tensor<uint8_t>(Layout<Shape<Shape<_4, _2, _2>, _1, Int<T::kTileKV / 32>>>{});
+  Tensor prob_w = recast<uint32_t>(prob);
+  static_assert(decltype(size(prob_w))::value * 4 == decltype(size(s))::value, "a byte of P per score value");
+
+  PipeState<T::kStages> read_k, read_v;
+  PipeState<T::kQStages> read_q;
+  const PingPong<T> turns{ctid / 128};
+  turns.start();
+  const float* ks_base = ks_smem;
+
+  const int64_t tasks = num_tasks(p);
+  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
+    const Task t = decode_task(p, task_id);
+    const int n = t.tile_end - t.tile_begin;
+    float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};
+    clear(o);
+    if (n > 0) {
+      const int64_t bh = int64_t(t.b) * p.heads + t.h;
+      float rf[2];
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int row = query_row<T::kTileQ>(p, t, row_of_half[half]);
+        rf[half] = (row >= 0 && row < p.seq_q ? __ldg(qp.q_scale + bh * p.seq_q + row) : 1.f) * p.scale_log2;
+      }
+      const int qs = read_q.stage;
+      Barrier::wait(&bar.q_full[qs], read_q.phase);
+      float alpha[2], unit[2];
+      TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
+      auto scores = [&](int i) {  // S_i landed: K scales read, K released, softmax into P
+        warpgroup_fence_operand(s);
+        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks_base + read_k.stage * T::kTileKV, lane_col, row_of_half,
+                         rf, row_max, row_sum, alpha, unit, prob_w);
+        hopper::release(&bar.k_empty[read_k.stage]);
+        read_k.advance();
+        if (i == n - 1) hopper::release(&bar.q_empty[qs]);
+      };
+      auto issue_scores = [&]() {
+        Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);
+        hopper::wgmma_issue<true>(mma_qk, tQ(_, _, _, qs), tK(_, _, _, read_k.stage), s);
+      };
+      auto issue_pv = [&]() {
+        Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
+        hopper::wgmma_issue<true>(mma_pv, prob, tVt(_, _, _, read_v.stage), oi);
+      };
+      auto pv_done = [&]() {
+        warpgroup_fence_operand(oi);
+        warpgroup_fence_operand(prob);
+        hopper::release(&bar.v_empty[read_v.stage]);
+        read_v.advance();
+      };
+
+      turns.wait_turn();
+      issue_scores();
+      turns.pass_turn();
+      warpgroup_wait<0>();
+      scores(0);
+      // P_{i-1} V_{i-1} is issued before S_i: tile i's softmax rewrites P's registers. Its int32
+      // product joins O (relative to reference i - 1) while S_i runs, so only O, S and P are live
+      // through the softmax.
+      for (int i = 1; i < n; ++i) {
+        act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
+        turns.wait_turn();
+        issue_pv();
+        issue_scores();
+        turns.pass_turn();
+        warpgroup_wait<1>();  // O_{i-1} done (committed first), S_i in flight
+        accumulate(o, oi, unit);
+        pv_done();
+        warpgroup_wait<0>();
+        scores(i);
+        rescale(o, alpha);
+      }
+      turns.wait_turn();
+      issue_pv();
+      turns.pass_turn();
+      warpgroup_wait<0>();
+      accumulate(o, oi, unit);
+      pv_done();
+      read_q.advance();
+    }
+    store_output<T>(qp, t, o, row_max, row_sum, coords_o, row_of_half);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    attention_kernel(const __grid_constant__ TesseraQuantizedParams qp, const __grid_constant__ TmaMaps tma) {
+  extern __shared__ unsigned char smem_raw[];
+  // The 128-byte swizzle is a function of address bits: tiles start on 1024-byte boundaries.
+  unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<int8_t*>(base)), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<int8_t*>(base + T::kSmemKOffset)), typename T::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<int8_t*>(base + T::kSmemVOffset)), typename T::SmemLayoutVt{});
+  __shared__ PipelineBarriers<T::kStages, T::kQStages> bar;
+  if (threadIdx.x == 0) bar.init(1, T::kConsumerWarps, T::kConsumerWarps);
+  __syncthreads();
+  if (threadIdx.x < T::kProducerThreads) {
+    if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    producer_loop<T>(qp, tma, base, bar);
+  } else {
+    if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+    consumer_loop<T>(qp, sQ, sK, sVt, reinterpret_cast<const float*>(base + T::kSmemKScaleOffset), bar);
+  }
+}
+
+#ifndef __CUDACC_RTC__
+// Host: the two TMA descriptors of one launch (0 on success, else a cudaError_t value).
+template <class T>
+int make_tma_maps(const TesseraQuantizedParams& qp, TmaMaps& d) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return int(cudaErrorNotSupported);
+  const TesseraAttnParams& p = qp.attn;
+  // [B, H, S, D] int8, S rows per head in the buffer (seq_rows), seq of them read (TMA zero-fills past).
+  auto one = [&](CUtensorMap* map, const void* base, int seq, int seq_rows, int rows) {
+    const cuuint64_t dims[4] = {cuuint64_t(T::kHeadDim), cuuint64_t(seq), cuuint64_t(p.heads), cuuint64_t(p.batch)};
+    const cuuint64_t row = T::kHeadDim;
+    const cuuint64_t strides[3] = {row, row * cuuint64_t(seq_rows), row * cuuint64_t(seq_rows) * cuuint64_t(p.heads)};
+    const cuuint32_t box[4] = {cuuint32_t(T::kHeadDim), cuuint32_t(rows), 1u, 1u};
+    const cuuint32_t unit_strides[4] = {1u, 1u, 1u, 1u};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, unit_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  };
+  const int q_rows = p.q_units != nullptr ? 1 << p.q_unit_log2 : T::kTileQ;
+  if (one(&d.q, p.q, p.seq_q, p.seq_q, q_rows) != CUDA_SUCCESS ||
+      one(&d.k, p.k, p.seq_kv, qp.seq_kv_padded, 1 << p.kv_unit_log2) != CUDA_SUCCESS)
+    return int(cudaErrorInvalidValue);
+  return 0;
+}
+
+template <class T>
+int launch(const TesseraQuantizedParams& qp, cudaStream_t stream) {
+  const int64_t tasks = num_tasks(qp.attn);
+  if (tasks == 0) return 0;
+  TmaMaps tma;
+  const int err = make_tma_maps<T>(qp, tma);
+  if (err != 0) return err;
+  auto kernel = attention_kernel<T>;
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (status != cudaSuccess) return int(status);
+  const int64_t grid = qp.attn.grid_size > 0 && qp.attn.grid_size < tasks ? qp.attn.grid_size : tasks;
+  kernel<<<dim3(unsigned(grid)), dim3(T::kThreads), T::kSmemBytes, stream>>>(qp, tma);
+  return int(cudaGetLastError());
+}
+#endif
+
+}  // namespace tessera::quantized

@@ -1,0 +1,155 @@
+"""The 8-bit path on the GPU: the quantization pass against the twin's ``quantize``, and every 8-bit
+kernel on every geometry family (partial blocks, empty rows, layouts, splits, persistent grids,
+the grouped query layout) against the fp32 oracle within the 8-bit budget and against the twin.
+Skipped without sm90 and a library with the 8-bit kernels."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, prepare
+from tessera_diffusers import quantized, reference
+from tessera_diffusers.catalog import all_kernels
+from tessera_diffusers.eligibility import rejection
+from tessera_diffusers.kernel_table import quantized_rows
+from tessera_diffusers.plans import Request
+from tessera_diffusers.testing import TEST_GEOMETRIES, random_mask, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+QUANTIZED = [r.name for r in quantized_rows()]
+
+
+def library():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the 8-bit kernels need sm90")
+    from tessera_diffusers.library import quantized_library
+
+    lib = quantized_library()
+    if lib is None:
+        pytest.skip("this build of the library has no 8-bit kernels")
+    return lib
+
+
+def offset_qkv(batch, seq_q, seq_kv, heads, dtype, seed):
+    """Random q, k, v with per-channel offsets on k and v (what K smoothing and V centring are for)."""
+    q, k, v = random_qkv(batch, seq_q, seq_kv, heads, 128, torch.float32, "cuda", seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    k = k + 3 * torch.randn(heads, 128, generator=gen, device="cuda")
+    v = v + torch.randn(heads, 128, generator=gen, device="cuda")
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def close_integers(got: torch.Tensor, want: torch.Tensor) -> None:
+    """int8 tensors equal but for rare rounding ties (a scale or mean one ulp apart): at most 1 apart."""
+    diff = (got.int() - want.int()).abs()
+    assert int(diff.max()) <= 1
+    assert float((diff > 0).float().mean()) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_quantization_pass_is_the_twins(dtype):
+    from tessera_diffusers import quantized_ops
+
+    library()
+    q, k, v = offset_qkv(2, 1000, 777, 3, dtype, seed=3)
+    scale = 1 / math.sqrt(128)
+    got = quantized_ops.quantize(q, k, v, scale)
+    want = quantized.quantize(q, k, v, scale)
+    close_integers(got.q8, want.q.transpose(1, 2))
+    close_integers(got.k8[:, :, :777], want.k.transpose(1, 2))
+    assert not bool(got.k8[:, :, 777:].any()) and not bool(got.k_scale[:, :, 777:].any())
+    close_integers(got.v_tokens(), want.v)
+    torch.testing.assert_close(got.q_scale, want.q_scale.transpose(1, 2), rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.k_scale[:, :, :777], want.k_scale.transpose(1, 2), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.k_mean, want.k_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.v_mean, want.v_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.v_scale, want.v_scale, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.lse_shift, want.lse_shift, rtol=1e-4, atol=1e-4)
+
+
+def base_kernel(name: str):
+    """The 16-bit Hopper catalog entry whose plans the 8-bit kernel ``name`` runs."""
+    row = next(r for r in quantized_rows() if r.name == name)
+    return next(k for k in all_kernels() if k.family.value == "hopper" and (k.tile_q, k.tile_kv, k.head_dim, k.dtype,
+                k.stages) == (row.tile_q, row.tile_kv, row.head_dim, row.dtype, row.stages))
+
+
+def plans_to_check(kernel, block_q, block_kv):
+    layouts = [KvLayout.CONTIGUOUS] + ([KvLayout.PACKED] if kernel.tile_kv > block_kv else [])
+    for layout in layouts:
+        orgs = [TaskOrganization(Traversal.LONGEST_FIRST, s) for s in (1, 3)]
+        for org in orgs + [TaskOrganization(Traversal.LONGEST_FIRST, 3, persistent=True)]:
+            plan = PhysicalPlan(block_q, block_kv, layout, org, kernel)
+            yield plan
+            if plan.can_group_queries:
+                yield plan.grouped()
+
+
+def request_of(q, k, mask, plan) -> Request:
+    return Request(q.shape[0], q.shape[2], q.shape[1], k.shape[1], 128, plan.kernel.dtype, mask.block_q,
+                   mask.block_kv, "sm90", True)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_every_8bit_entry_on_every_family(name):
+    from tessera_diffusers import quantized_ops
+
+    lib = library()
+    if name not in lib.kernel_ids:
+        pytest.skip(f"{name} is not in this build")
+    kernel = base_kernel(name)
+    failures, checked = [], 0
+    for gi, (bq, bkv) in enumerate(TEST_GEOMETRIES):
+        seq_q, seq_kv = 7 * bq + bq // 2 + 3, 9 * bkv - 5  # partial last blocks on both axes
+        mask = random_mask(2, 3, seq_q, seq_kv, bq, bkv, density=0.35, seed=gi, device="cuda")
+        q, k, v = offset_qkv(2, seq_q, seq_kv, 3, kernel.torch_dtype, seed=gi)
+        scale = 1 / math.sqrt(128)
+        oracle, oracle_lse = reference.attention(q.float(), k.float(), v.float(), mask, scale, True)
+        twin, twin_lse = quantized.attention(q, k, v, mask, scale, return_lse=True)
+        x = quantized_ops.quantize(q, k, v, scale)
+        empty = torch.isinf(oracle_lse)  # [B, H, Sq]: rows with no active key
+        for plan in plans_to_check(kernel, bq, bkv):
+            if rejection(plan, request_of(q, k, mask, plan)) is not None:
+                continue
+            prepared = prepare(plan, build_mask_state(mask))
+            out, lse = quantized_ops.run_quantized(prepared, q, k, v, scale, True, quantized=x)
+            checked += 1
+            fit = quantized.agreement(out, oracle)
+            to_twin = quantized.agreement(out, twin.float())
+            rows_empty = out.float().transpose(1, 2)[empty]
+            lse_err = float((lse[~empty] - oracle_lse[~empty]).abs().max()) if bool((~empty).any()) else 0.0
+            bad = []
+            if not bool(torch.isfinite(out).all()):
+                bad.append("non-finite output")
+            if not fit.within_budget():
+                bad.append(f"oracle cos {fit.cosine:.5f} rel {fit.relative_l2:.4f}")
+            if to_twin.relative_l2 > 0.02:
+                bad.append(f"twin rel {to_twin.relative_l2:.4f}")
+            if bool(rows_empty.any()) or not bool((lse[empty] == -math.inf).all()):
+                bad.append("empty rows not 0 / -inf")
+            if lse_err > 0.05:
+                bad.append(f"lse err {lse_err:.3f}")
+            if bad:
+                failures.append(f"{plan.name} ({bq}x{bkv}): " + ", ".join(bad))
+    assert checked > 0
+    assert not failures, "\n".join(failures)
+
+
+def test_a_request_writes_every_row_and_bad_inputs_are_refused():
+    from tessera_diffusers import quantized_ops
+    from tessera_diffusers.errors import InvalidArgumentError
+
+    library()
+    kernel = base_kernel(QUANTIZED[0])
+    mask = random_mask(1, 2, 1000, 1000, 32, 16, density=0.3, seed=5, device="cuda")
+    q, k, v = offset_qkv(1, 1000, 1000, 2, kernel.torch_dtype, seed=5)
+    plan = PhysicalPlan(32, 16, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 1), kernel)
+    prepared = prepare(plan, build_mask_state(mask))
+    out, lse = quantized_ops.run_quantized(prepared, q, k, v, 1 / math.sqrt(128), True)
+    assert bool(torch.isfinite(out).all())
+    with pytest.raises(InvalidArgumentError, match="q"):
+        quantized_ops.run_quantized(prepared, q[..., :64], k[..., :64], v[..., :64], 0.125, False)
