@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .errors import CatalogError, InvalidArgumentError, describe_tensor
 from .kernel_table import QUANTIZED_HEAD_DIM, quantized_rows, quantized_variant
 from .library import (
@@ -78,12 +79,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if t.dtype not in DTYPE_CODES or t.dim() != 4 or t.shape[-1] != QUANTIZED_HEAD_DIM or t.device.type != "cuda":
             raise InvalidArgumentError(name, f"a CUDA bf16 or fp16 tensor [B, S, H, {QUANTIZED_HEAD_DIM}] for the 8-bit "
                                        "kernels", describe_tensor(t))
-
-
-def aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy where rows are not 16-byte aligned (the pass reads 8 bytes per lane)."""
-    ok = t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:3])
-    return t if ok else t.contiguous()
+        if t.stride(-1) != 1:
+            raise InvalidArgumentError(name, "a contiguous last dim (stride 1)", f"strides {tuple(t.stride())}")
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> QuantizedTensors:
@@ -91,13 +88,13 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     D = 128) -> ``QuantizedTensors`` (three launches on the current stream, no sync)."""
     check_inputs(q, k, v)
     lib = require_library().lib
-    q, k, v = (aligned_rows(t) for t in (q, k, v))
+    q, k, v = (ops.with_aligned_loads(t) for t in (q, k, v))  # rows read 8 bytes per lane from 16-byte starts
     batch, seq_q, heads, head_dim = q.shape
     seq_kv = k.shape[1]
     padded = -(-seq_kv // SEQ_ALIGN) * SEQ_ALIGN
     segments = max(1, min(-(-seq_kv // SEGMENT_TOKENS), MAX_GRID_Y))
     device = q.device
-    f32 = dict(dtype=torch.float32, device=device)
+    f32 = {"dtype": torch.float32, "device": device}
     x = QuantizedTensors(
         q8=torch.empty(batch, heads, seq_q, head_dim, dtype=torch.int8, device=device),
         q_scale=torch.empty(batch, heads, seq_q, **f32),
@@ -141,8 +138,6 @@ def run_quantized(prepared: PreparedPlan, q: torch.Tensor, k: torch.Tensor, v: t
     """8-bit attention over ``prepared`` (a plan whose kernel has an 8-bit variant, ``kernel_for``):
     q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]`` -> out ``[B, Sq, H, D]`` in q's dtype (and lse
     ``[B, H, Sq]`` fp32). ``quantized``: the pass's result for these q, k, v, if already made."""
-    from . import ops
-
     spec = prepared.plan.kernel
     name = kernel_for(spec)
     if name is None:

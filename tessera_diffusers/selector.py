@@ -57,9 +57,9 @@ from .catalog import all_kernels, plans_for
 from .cost_model import PlanEstimator
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
+from .kernel_table import quantized_variant
 from .mask_state import MaskState
 from .plan_table import STAT_NAMES, PlanTable, RankedPlan, Regime, RegimeTree, ScheduleRule, default_table, tile_group
-from .kernel_table import quantized_variant
 from .plans import INPUT_PRECISION, Family, KernelSpec, PhysicalPlan, QLayout, Request
 
 AUTO = "auto"  # Selector.table: the shipped table of each request's architecture

@@ -26,7 +26,7 @@ from . import reference
 from .catalog import TASK_ORGANIZATIONS, all_kernels, plans_for
 from .eligibility import membership_fits, packing_has_room
 from .mask import LogicalMask
-from .plans import PhysicalPlan
+from .plans import KernelSpec, KvLayout, PhysicalPlan, Request, TaskOrganization, Traversal
 
 # Geometries every plan family is checked on: the corpus's seven, HunyuanVideo's 384, an odd pair.
 TEST_GEOMETRIES: tuple[tuple[int, int], ...] = (
@@ -143,6 +143,28 @@ def check_against_reference(
     inf_match = bool(torch.equal(finite, torch.isfinite(lse))) and bool((lse[~finite] == -math.inf).all())
     lse_error = float((lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0
     return Accuracy(error, twin_error, lse_error, inf_match)
+
+
+def plans_to_check(kernel: KernelSpec, block_q: int, block_kv: int, splits: Sequence[int] = (1, 3)):
+    """The plans a kernel's GPU test runs on one geometry: each KV layout with each of ``splits``
+    and a persistent grid with 3 splits (the Hopper family takes its tasks from a counter there:
+    ``ops.dynamic_schedule``); each also in the grouped query layout where a query tile covers
+    several blocks."""
+    layouts = [KvLayout.CONTIGUOUS] + ([KvLayout.PACKED] if kernel.tile_kv > block_kv else [])
+    for layout in layouts:
+        tasks = [TaskOrganization(Traversal.LONGEST_FIRST, n) for n in splits]
+        for org in tasks + [TaskOrganization(Traversal.LONGEST_FIRST, 3, persistent=True)]:
+            plan = PhysicalPlan(block_q, block_kv, layout, org, kernel)
+            yield plan
+            if plan.can_group_queries:
+                yield plan.grouped()
+
+
+def device_request(q: torch.Tensor, k: torch.Tensor, mask: LogicalMask, plan: PhysicalPlan) -> Request:
+    """The request of q ``[B, Sq, H, D]``, k ``[B, Skv, H, D]`` on their CUDA device for ``plan``'s dtype."""
+    major, minor = torch.cuda.get_device_capability(q.device)
+    return Request(q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.shape[3], plan.kernel.dtype,
+                   mask.block_q, mask.block_kv, f"sm{major}{minor}", True)
 
 
 def metadata_plans(block_q: int, block_kv: int) -> list[PhysicalPlan]:

@@ -11,8 +11,14 @@ import torch
 from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, prepare
 from tessera_diffusers.catalog import all_kernels
 from tessera_diffusers.eligibility import rejection
-from tessera_diffusers.plans import Request
-from tessera_diffusers.testing import TEST_GEOMETRIES, check_against_reference, random_mask, random_qkv
+from tessera_diffusers.testing import (
+    TEST_GEOMETRIES,
+    check_against_reference,
+    device_request,
+    plans_to_check,
+    random_mask,
+    random_qkv,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -33,26 +39,6 @@ def fixed_kernel(family: str, tile_q: int, tile_kv: int, head_dim: int, dtype: s
     return kernel
 
 
-def plans_to_check(kernel, block_q, block_kv):
-    """Each layout with 1 and 3 splits, and a persistent grid with 3 splits (the Hopper family takes
-    its tasks from a counter there: ``ops.dynamic_schedule``); each also in the grouped query layout
-    where a query tile covers several blocks."""
-    layouts = [KvLayout.CONTIGUOUS] + ([KvLayout.PACKED] if kernel.tile_kv > block_kv else [])
-    for layout in layouts:
-        tasks = [TaskOrganization(Traversal.LONGEST_FIRST, splits) for splits in SPLITS]
-        for org in tasks + [TaskOrganization(Traversal.LONGEST_FIRST, 3, persistent=True)]:
-            plan = PhysicalPlan(block_q, block_kv, layout, org, kernel)
-            yield plan
-            if plan.can_group_queries:
-                yield plan.grouped()
-
-
-def device_request(q, k, mask, plan) -> Request:
-    major, minor = torch.cuda.get_device_capability(q.device)
-    return Request(q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.shape[3], plan.kernel.dtype,
-                   mask.block_q, mask.block_kv, f"sm{major}{minor}", True)
-
-
 @pytest.mark.parametrize("kernel", all_kernels(), ids=lambda k: k.name)
 def test_every_entry_on_every_family(kernel):
     from tessera_diffusers import ops
@@ -67,7 +53,7 @@ def test_every_entry_on_every_family(kernel):
         mask = random_mask(2, 3, seq_q, seq_kv, bq, bkv, density=0.35, seed=gi, device=device)
         q, k, v = random_qkv(2, seq_q, seq_kv, 3, kernel.head_dim, dtype, device, seed=gi)
         state = build_mask_state(mask)
-        for plan in plans_to_check(kernel, bq, bkv):
+        for plan in plans_to_check(kernel, bq, bkv, SPLITS):
             reason = rejection(plan, device_request(q, k, mask, plan))
             if reason is not None:
                 skipped = reason

@@ -10,13 +10,20 @@ import math
 import pytest
 import torch
 
-from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, prepare
-from tessera_diffusers import quantized, reference
+from tessera_diffusers import (
+    KvLayout,
+    PhysicalPlan,
+    TaskOrganization,
+    Traversal,
+    build_mask_state,
+    prepare,
+    quantized,
+    reference,
+)
 from tessera_diffusers.catalog import all_kernels
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.kernel_table import quantized_rows
-from tessera_diffusers.plans import Request
-from tessera_diffusers.testing import TEST_GEOMETRIES, random_mask, random_qkv
+from tessera_diffusers.testing import TEST_GEOMETRIES, device_request, plans_to_check, random_mask, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -78,22 +85,6 @@ def base_kernel(name: str):
                 k.stages) == (row.tile_q, row.tile_kv, row.head_dim, row.dtype, row.stages))
 
 
-def plans_to_check(kernel, block_q, block_kv):
-    layouts = [KvLayout.CONTIGUOUS] + ([KvLayout.PACKED] if kernel.tile_kv > block_kv else [])
-    for layout in layouts:
-        orgs = [TaskOrganization(Traversal.LONGEST_FIRST, s) for s in (1, 3)]
-        for org in orgs + [TaskOrganization(Traversal.LONGEST_FIRST, 3, persistent=True)]:
-            plan = PhysicalPlan(block_q, block_kv, layout, org, kernel)
-            yield plan
-            if plan.can_group_queries:
-                yield plan.grouped()
-
-
-def request_of(q, k, mask, plan) -> Request:
-    return Request(q.shape[0], q.shape[2], q.shape[1], k.shape[1], 128, plan.kernel.dtype, mask.block_q,
-                   mask.block_kv, "sm90", True)
-
-
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_every_8bit_entry_on_every_family(name):
     from tessera_diffusers import quantized_ops
@@ -109,11 +100,11 @@ def test_every_8bit_entry_on_every_family(name):
         q, k, v = offset_qkv(2, seq_q, seq_kv, 3, kernel.torch_dtype, seed=gi)
         scale = 1 / math.sqrt(128)
         oracle, oracle_lse = reference.attention(q.float(), k.float(), v.float(), mask, scale, True)
-        twin, twin_lse = quantized.attention(q, k, v, mask, scale, return_lse=True)
+        twin = quantized.attention(q, k, v, mask, scale)
         x = quantized_ops.quantize(q, k, v, scale)
         empty = torch.isinf(oracle_lse)  # [B, H, Sq]: rows with no active key
         for plan in plans_to_check(kernel, bq, bkv):
-            if rejection(plan, request_of(q, k, mask, plan)) is not None:
+            if rejection(plan, device_request(q, k, mask, plan)) is not None:
                 continue
             prepared = prepare(plan, build_mask_state(mask))
             out, lse = quantized_ops.run_quantized(prepared, q, k, v, scale, True, quantized=x)
@@ -150,6 +141,6 @@ def test_a_request_writes_every_row_and_bad_inputs_are_refused():
     plan = PhysicalPlan(32, 16, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 1), kernel)
     prepared = prepare(plan, build_mask_state(mask))
     out, lse = quantized_ops.run_quantized(prepared, q, k, v, 1 / math.sqrt(128), True)
-    assert bool(torch.isfinite(out).all())
+    assert bool(torch.isfinite(out).all()) and not bool(lse.isnan().any())
     with pytest.raises(InvalidArgumentError, match="q"):
         quantized_ops.run_quantized(prepared, q[..., :64], k[..., :64], v[..., :64], 0.125, False)

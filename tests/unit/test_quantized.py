@@ -96,10 +96,10 @@ def test_probabilities_are_rounded_per_kv_tile():
 
 
 @pytest.mark.parametrize("bad, argument", [
-    (dict(pv="int4"), "pv"),
-    (dict(kv_tile=0), "kv_tile"),
-    (dict(kv_tile=True), "kv_tile"),
-    (dict(scale=-1.0), "scale"),
+    ({"pv": "int4"}, "pv"),
+    ({"kv_tile": 0}, "kv_tile"),
+    ({"kv_tile": True}, "kv_tile"),
+    ({"scale": -1.0}, "scale"),
 ])
 def test_bad_arguments_are_refused(bad, argument):
     q, k, v, mask = request(64, 64)

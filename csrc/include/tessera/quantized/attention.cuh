@@ -286,7 +286,6 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
   PipeState<T::kQStages> read_q;
   const PingPong<T> turns{ctid / 128};
   turns.start();
-  const float* ks_base = ks_smem;
 
   const int64_t tasks = num_tasks(p);
   for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
@@ -308,7 +307,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
       auto scores = [&](int i) {  // S_i landed: K scales read, K released, softmax into P
         warpgroup_fence_operand(s);
-        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks_base + read_k.stage * T::kTileKV, lane_col, row_of_half,
+        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks_smem + read_k.stage * T::kTileKV, lane_col, row_of_half,
                          rf, row_max, row_sum, alpha, unit, prob_w);
         hopper::release(&bar.k_empty[read_k.stage]);
         read_k.advance();
