@@ -19,6 +19,7 @@ from .errors import CatalogError, InvalidArgumentError, describe_tensor
 from .kernel_table import QUANTIZED_HEAD_DIM, quantized_rows, quantized_variant
 from .library import (
     DTYPE_CODES,
+    QuantizedLibrary,
     TesseraQuantizedParams,
     TesseraQuantizeParams,
     current_stream_handle,
@@ -66,7 +67,8 @@ class QuantizedTensors:
         return natural.permute(0, 2, 4, 1, 3).reshape(batch, chunks * CHUNK, heads, head_dim)[:, : self.seq_kv]
 
 
-def require_library():
+def require_library() -> QuantizedLibrary:
+    """The library's 8-bit part, or ``CatalogError`` naming how to build it."""
     lib = quantized_library()
     if lib is None:
         raise CatalogError("the native library has no 8-bit kernels (precision=\"int8\"): build it with an sm90 "
@@ -75,6 +77,7 @@ def require_library():
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse q, k, v ``[B, S, H, D]`` the 8-bit path cannot read: CUDA bf16 or fp16, D = 128, last dim contiguous."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in DTYPE_CODES or t.dim() != 4 or t.shape[-1] != QUANTIZED_HEAD_DIM or t.device.type != "cuda":
             raise InvalidArgumentError(name, f"a CUDA bf16 or fp16 tensor [B, S, H, {QUANTIZED_HEAD_DIM}] for the 8-bit "
