@@ -7,7 +7,7 @@
 #   sanitize   compute-sanitizer memcheck + racecheck + synccheck on representative plans (SANITIZE_ARGS,
 #              e.g. --every-kernel --grouped), SASS instruction counts
 #   harness    tessera bench default subset (HARNESS_ARGS, HARNESS_TIMEOUT)
-#   kernels    benchmarks/kernels.py (KERNELS_ARGS, KERNELS_TIMEOUT)
+#   kernels    benchmarks/kernel_study.py (KERNELS_ARGS, KERNELS_TIMEOUT)
 #   loop       benchmarks/diffusion_loop.py (LOOP_ARGS, LOOP_TIMEOUT)
 #   demo       tessera demo --device cuda (the README's main job on the GPU)
 #   request    benchmarks/request_breakdown.py (REQUEST_ARGS): where a cold request's time goes
@@ -58,7 +58,7 @@ for STEP in "${@:-tests}"; do
       pack harness ;;
     kernels)
       KTAG=${KERNELS_TAG:-kernels}
-      timeout ${KERNELS_TIMEOUT:-420} python3 benchmarks/kernels.py --out "$OUT/$KTAG" --no-progress ${KERNELS_ARGS:-} \
+      timeout ${KERNELS_TIMEOUT:-420} python3 benchmarks/kernel_study.py --out "$OUT/$KTAG" --no-progress ${KERNELS_ARGS:-} \
         2>&1 | tee "$OUT/$KTAG.log" | tail -40
       pack $KTAG ;;
     loop)

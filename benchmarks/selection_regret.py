@@ -1,6 +1,6 @@
 """Offline regret of plan selection, from measured kernel-study records (no GPU needed).
 
-For every case of a kernel study (``benchmarks/kernels.py`` records: one latency per timed plan), the
+For every case of a kernel study (``benchmarks/kernel_study.py`` records: one latency per timed plan), the
 case's mask is rebuilt from its corpus seed, and the plan each selector would choose for that
 request is looked up in the records:
 

@@ -59,7 +59,7 @@ FAMILY_NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES + DEFAULTS_FAMILI
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tessera bench`` (also used by ``benchmarks/kernels.py``)."""
+    """The options of ``tessera bench`` (also used by ``benchmarks/kernel_study.py``)."""
     parser.add_argument("--out", required=True, type=output_dir, help="output directory (created if missing)")
     parser.add_argument("--mode", choices=("bench", "kernels"), default="bench",
                         help="bench: Tessera's selected plan beside every baseline; kernels: every eligible catalog "

@@ -1,11 +1,11 @@
 """Kernel study: every eligible Tessera catalog plan on every corpus family, beside dense
 cuDNN SDPA, dense FlashAttention-2 SDPA and FlexAttention, measured in one run.
 
-    python benchmarks/kernels.py --out $OUT                                  # N=32768/H=24 and Wan 720p
-    python benchmarks/kernels.py --out $OUT --sizes n32k                     # one size
-    python benchmarks/kernels.py --out $OUT --sizes wan720p --families Q16K16,Q32K16
-    python benchmarks/kernels.py --out $OUT --resume                         # continue a cut-short run
-    python benchmarks/kernels.py --out $OUT --backends sdpa-cudnn,flex,flashinfer-var-fa3,tessera,tessera-plans
+    python benchmarks/kernel_study.py --out $OUT                                  # N=32768/H=24 and Wan 720p
+    python benchmarks/kernel_study.py --out $OUT --sizes n32k                     # one size
+    python benchmarks/kernel_study.py --out $OUT --sizes wan720p --families Q16K16,Q32K16
+    python benchmarks/kernel_study.py --out $OUT --resume                         # continue a cut-short run
+    python benchmarks/kernel_study.py --out $OUT --backends sdpa-cudnn,flex,flashinfer-var-fa3,tessera,tessera-plans
 
 A thin front end of ``tessera bench --mode kernels`` (see ``tessera_diffusers/bench``): the same
 options, with five timed runs per plan by default (median of 5 after 3 warm-ups). Records are
