@@ -17,11 +17,13 @@ Hopper's 8-bit tensor cores (INT8 and FP8) run at twice the bf16 rate. Per ``(ba
   so the rounding of P does not depend on the order the tiles run in.
 - ``pv="fp8"``, for comparison: P times 448 and V per channel in FP8 e4m3 (3 mantissa bits).
 
-The row sums are taken from the probabilities before rounding. Measured on random inputs
-(``docs/results.md``), INT8 P V errs about a third as much as FP8 P V. ``attention`` is the twin: the
-same arithmetic with the softmax in one pass, its KV tiles ``kv_tile`` consecutive keys of the key
-blocks a chunk of query blocks needs (a kernel's are its plan's KV tiles). Empty rows give 0 and -inf as in ``reference.attention``. Inputs must be finite (a +inf
-or NaN in K or V would reach every row through the means and the channel scales).
+The row sums add up the rounded probabilities for int8 (the weights the product applies: they sum
+to 1, so V's mean comes back exactly), the probabilities before rounding for fp8. Measured on
+random inputs (``docs/results.md``), INT8 P V errs about a third as much as FP8 P V. ``attention``
+is the twin: the same arithmetic with the softmax in one pass, its KV tiles ``kv_tile`` consecutive
+keys of the key blocks a chunk of query blocks needs (a kernel's are its plan's KV tiles). Empty
+rows give 0 and -inf as in ``reference.attention``. Inputs must be finite (a +inf or NaN in K or V
+would reach every row through the means and the channel scales).
 """
 
 from __future__ import annotations
@@ -143,8 +145,10 @@ def run(x: QuantizedInputs, mask: LogicalMask, kv_tile: int = 128) -> tuple[torc
         row_max = scores.amax(-1, keepdim=True)
         has_key = row_max > -math.inf
         p = torch.exp(scores - torch.where(has_key, row_max, torch.zeros_like(row_max)))
-        denom = torch.where(has_key, p.sum(-1, keepdim=True), torch.ones_like(row_max))
-        pv = rounded_probabilities(p, x.pv, kv_tile) @ x.v[b, tokens, h].float()
+        rounded = rounded_probabilities(p, x.pv, kv_tile)
+        sums = (rounded if x.pv == "int8" else p).sum(-1, keepdim=True)
+        denom = torch.where(has_key, sums, torch.ones_like(row_max))
+        pv = rounded @ x.v[b, tokens, h].float()
         o = pv * x.v_scale[b, h] / denom + x.v_mean[b, h]
         out[b, r0:r1, h] = torch.where(has_key, o, torch.zeros_like(o))
         row_lse = torch.where(has_key, row_max + torch.log(denom), row_max).squeeze(-1)

@@ -47,7 +47,7 @@ class QuantizedTensors:
     q_scale: torch.Tensor  # [B, H, Sq] fp32
     k8: torch.Tensor  # [B, H, Skv_pad, D] int8 of k - k_mean
     k_scale: torch.Tensor  # [B, H, Skv_pad] fp32
-    v8: torch.Tensor  # [B, H, Skv_pad / 16, D, 16] int8 of v - v_mean, tokens in chunk order
+    v8: torch.Tensor  # [B, H, Skv_pad / 16, D, 16] uint8: int8 of v - v_mean plus 128, tokens in chunk order
     v_scale: torch.Tensor  # [B, H, D] fp32
     v_mean: torch.Tensor  # [B, H, D] fp32
     k_mean: torch.Tensor  # [B, H, D] fp32
@@ -59,11 +59,11 @@ class QuantizedTensors:
         return self.k8.shape[2]
 
     def v_tokens(self) -> torch.Tensor:
-        """v8 back in token order, ``[B, Skv, H, D]`` (the twin's layout; for tests)."""
+        """v8 back in token order and as int8, ``[B, Skv, H, D]`` (the twin's layout; for tests)."""
         batch, heads, chunks, head_dim, _ = self.v8.shape
         order = torch.tensor([chunk_token(j) for j in range(CHUNK)], device=self.v8.device)
-        natural = torch.empty_like(self.v8)
-        natural[..., order] = self.v8
+        natural = torch.empty(self.v8.shape, dtype=torch.int8, device=self.v8.device)
+        natural[..., order] = (self.v8.to(torch.int16) - 128).to(torch.int8)
         return natural.permute(0, 2, 4, 1, 3).reshape(batch, chunks * CHUNK, heads, head_dim)[:, : self.seq_kv]
 
 
@@ -103,7 +103,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
         q_scale=torch.empty(batch, heads, seq_q, **f32),
         k8=torch.empty(batch, heads, padded, head_dim, dtype=torch.int8, device=device),
         k_scale=torch.empty(batch, heads, padded, **f32),
-        v8=torch.empty(batch, heads, padded // CHUNK, head_dim, CHUNK, dtype=torch.int8, device=device),
+        v8=torch.empty(batch, heads, padded // CHUNK, head_dim, CHUNK, dtype=torch.uint8, device=device),
         v_scale=torch.empty(batch, heads, head_dim, **f32),
         v_mean=torch.empty(batch, heads, head_dim, **f32),
         k_mean=torch.empty(batch, heads, head_dim, **f32),

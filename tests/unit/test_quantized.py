@@ -139,6 +139,7 @@ def test_v_tokens_undoes_the_chunk_layout():
     padded[:, :seq] = v
     order = torch.tensor([chunk_token(j) for j in range(CHUNK)])
     chunks = padded.view(batch, 3, CHUNK, heads, dim).permute(0, 3, 1, 4, 2)[..., order]  # [B, H, C, D, 16]
+    chunks = (chunks.to(torch.int16) + 128).to(torch.uint8)  # v8 holds v plus 128
     empty = torch.empty(0)
     x = QuantizedTensors(empty, empty, torch.empty(batch, heads, 48, dim), empty, chunks.contiguous(), empty, empty,
                          empty, empty, seq)

@@ -4,11 +4,16 @@
 //   producer   one thread: Q and K by TMA (a box per query tile or unit, a box per KV slot), the
 //              slot's K scales and its V^T chunks by bulk copies (v8's chunks are contiguous);
 //   consumers  per KV tile i, inside each warpgroup:
-//                issue S = Q8 K8_i^T (int32);  issue O_i = P8_{i-1} V8_{i-1} (int32);  wait S;
+//                issue O_i = P8_{i-1} V8_{i-1} (int32);  issue S = Q8 K8_i^T (int32);
+//                wait O_i;  O += c_{i-1} O_i,  c = max_tile p / 255;  wait S;
 //                scores = S * k_scale (columns) * q_scale * scale (rows), masked; online softmax;
-//                P8_i = round(255 * p / max_tile p) (uint8, packed in the A operand's registers);
-//                wait O_i;  O = (O + c_{i-1} O_i) * alpha_i,  c = max_tile p / 255
-//              then the epilogue: O * v_scale / row sum + v_mean, lse + lse_shift.
+//                P8_i = round(255 * p / max_tile p) (uint8, packed in the A operand's registers),
+//                the row sums of the rounded P8_i;  O *= alpha_i
+//              then the epilogue: (O * 2^23 / row sum - 128) * v_scale + v_mean, lse + lse_shift.
+// V is offset by 128 (uint8), so a tile's P V product is never negative and below 2^23: its bits
+// are an fp32 denormal, product * 2^-149, and one FFMA adds it to O, which holds 2^-23 times the
+// output's scale; the offset's share, 128 times the row sum of P8, comes off in the epilogue.
+// P's bytes come from f16 pairs: two fp32 exponentials packed, one HFMA2 rounds both to bytes.
 // Static schedule only (every gridDim.x-th task): the launcher refuses a task counter.
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
@@ -38,18 +43,33 @@ struct TmaMaps {
 };
 
 // x + 1.5 * 2^23 holds x's integer value in its low mantissa bits for |x| < 2^22: an int32 becomes
-// a float with an integer add and a float subtract, a float in [0, 255] a rounded byte with one
-// add (round to nearest even, as the twin's torch.round).
+// the float x + 1.5 * 2^23 with one integer add (its offset comes off in the next FFMA).
 constexpr float kMagic = 12582912.f;
 constexpr int kMagicBits = 0x4B400000;
 
 __device__ __forceinline__ float magic_float(int32_t x) { return __int_as_float(x + kMagicBits); }  // x + kMagic
 
-// Four rounded bytes (fmaf(p, 255, kMagic) values) as one 32-bit word, a first.
-__device__ __forceinline__ uint32_t pack_bytes(float a, float b, float c, float d) {
-  const uint32_t lo = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x3340);
-  const uint32_t hi = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x3340);
-  return __byte_perm(lo, hi, 0x5410);
+// O's scale: O holds 2^-23 times the output (a P V product enters as a denormal, product * 2^-149,
+// times max_tile p / 255 * 2^126; the factor stays below 2^127 under the lazy reference).
+constexpr float kUnitScale = 0x1p126f;
+constexpr float kOutputScale = 0x1p23f;
+
+// a * b + c with a denormal `a` kept (no flush to zero, whatever the compiler's -ftz says).
+__device__ __forceinline__ float fma_keep_denormals(float a, float b, float c) {
+  float d;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
+  return d;
+}
+
+// 2^a and 2^b (a, b <= 0 but for rounding), as rounded bytes round(255 * 2^x) in the low byte of
+// each f16 half: f16 values in [1536, 2048) are integers, so 255 * 2^x + 1536 rounds to nearest
+// even (as the twin's torch.round) and its low mantissa bits are the byte.
+// (ex2.approx.f16x2 would be two MUFU operations and a repack: the fp32 ones cost the same.)
+__device__ __forceinline__ uint32_t exp2_bytes(float a, float b) {
+  uint32_t h, r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(fast_exp2(b)), "f"(fast_exp2(a)));  // a's in the low half
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x5BF85BF8u), "r"(0x66006600u));  // 255, 1536
+  return r;
 }
 
 // ---- producer ----------------------------------------------------------------------------------
@@ -83,7 +103,7 @@ __device__ __forceinline__ void load_tiles(const TesseraQuantizedParams& qp, con
   const int unit = 1 << p.kv_unit_log2;
   const int64_t bh = int64_t(t.b) * p.heads + t.h;
   const float* k_scale = qp.k_scale + bh * qp.seq_kv_padded;
-  const int8_t* v8 = static_cast<const int8_t*>(p.v) + bh * qp.seq_kv_padded * T::kHeadDim;
+  const uint8_t* v8 = static_cast<const uint8_t*>(p.v) + bh * qp.seq_kv_padded * T::kHeadDim;
   for (int tile = t.tile_begin; tile < t.tile_end; ++tile) {
     const int32_t* slots = tile_slots(p, t, tile);
     int start[T::kMaxSlots];
@@ -91,7 +111,7 @@ __device__ __forceinline__ void load_tiles(const TesseraQuantizedParams& qp, con
     for (int j = 0; j < T::kMaxSlots; ++j) start[j] = j < p.slots ? max(__ldg(slots + j), 0) : 0;
     const int s = write.stage;
     int8_t* k_stage = reinterpret_cast<int8_t*>(smem + T::kSmemKOffset) + s * T::kSmemKTileBytes;
-    int8_t* v_stage = reinterpret_cast<int8_t*>(smem + T::kSmemVOffset) + s * T::kSmemKTileBytes;
+    uint8_t* v_stage = reinterpret_cast<uint8_t*>(smem + T::kSmemVOffset) + s * T::kSmemKTileBytes;
     float* ks_stage = reinterpret_cast<float*>(smem + T::kSmemKScaleOffset) + s * T::kTileKV;
     Barrier::wait(&bar.k_empty[s], write.phase ^ 1u);
     TxBarrier::arrive_and_expect_tx(&bar.k_full[s], T::kSmemKTileBytes + T::kSmemKScaleBytes);
@@ -133,10 +153,11 @@ __device__ void producer_loop(const TesseraQuantizedParams& qp, const TmaMaps& t
 // ---- consumers ---------------------------------------------------------------------------------
 
 // Online softmax of one tile's int32 scores `s` into the packed P operand `prob_w`: the scores are
-// s * k_scale (column) * rf (row: q_scale * scale * log2 e), masked where `act` says; returns in
-// `alpha` the factor for what was accumulated under the previous reference and in `tile_unit` the
-// value of one P step (max_tile p / 255, relative to the new reference; 0 for a row none of whose
-// tile columns is active). The row sums take the probabilities before rounding.
+// s * k_scale (column; one FFMA with the magic number's share) * rf (row: q_scale * scale *
+// log2 e), masked where `act` says; returns in `alpha` the factor for what was accumulated under
+// the previous reference and in `tile_unit` the value of one P step (max_tile p / 255, relative to
+// the new reference; 0 for a row none of whose tile columns is active). The row sums add up the
+// rounded bytes (the weights P V applies).
 template <class T, class FragS, class FragP>
 __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const Task& t, int tile,
                                               const TileActivity& act, const FragS& s,
@@ -148,10 +169,11 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
   CUTE_UNROLL
   for (int j = 0; j < kVals / 4; ++j) {  // n8 block j: columns lane_col + 8 j + {0, 1}, both row halves
     const float2 ks = *reinterpret_cast<const float2*>(ks_stage + lane_col + 8 * j);
-    sf(4 * j + 0) = (magic_float(s(4 * j + 0)) - kMagic) * ks.x;
-    sf(4 * j + 1) = (magic_float(s(4 * j + 1)) - kMagic) * ks.y;
-    sf(4 * j + 2) = (magic_float(s(4 * j + 2)) - kMagic) * ks.x;
-    sf(4 * j + 3) = (magic_float(s(4 * j + 3)) - kMagic) * ks.y;
+    const float ox = -kMagic * ks.x, oy = -kMagic * ks.y;
+    sf(4 * j + 0) = fmaf(magic_float(s(4 * j + 0)), ks.x, ox);
+    sf(4 * j + 1) = fmaf(magic_float(s(4 * j + 1)), ks.y, oy);
+    sf(4 * j + 2) = fmaf(magic_float(s(4 * j + 2)), ks.x, ox);
+    sf(4 * j + 3) = fmaf(magic_float(s(4 * j + 3)), ks.y, oy);
   }
   if (act.needs_mask) hopper::mask_scores<T>(p, act, tile_slots(p, t, tile), sf, lane_col, row_of_half);
   float base[2];
@@ -173,29 +195,28 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
     base[half] = tile_ref == -CUDART_INF_F ? 0.f : tile_ref;
     tile_unit[half] = tile_ref == -CUDART_INF_F ? 0.f : fast_exp2(tile_ref - ref) * (1.f / 255.f);
   }
-  float sum[2] = {0.f, 0.f};
+  uint32_t bytes[2] = {0u, 0u};
   CUTE_UNROLL
   for (int w = 0; w < kVals / 4; ++w) {  // word w: values e0, e0 + 1, e0 + 4, e0 + 5 of one row half
     const int e0 = 2 * (w & 1) + 8 * (w >> 1);
     const int half = w & 1;
-    float byte[4];
-    CUTE_UNROLL
-    for (int b = 0; b < 4; ++b) {
-      const float e = fast_exp2(fmaf(sf(e0 + (b & 1) + 4 * (b >> 1)), rf[half], -base[half]));  // p / max_tile p
-      sum[half] += e;
-      byte[b] = fmaf(e, 255.f, kMagic);
-    }
-    prob_w(w) = pack_bytes(byte[0], byte[1], byte[2], byte[3]);
+    const uint32_t lo = exp2_bytes(fmaf(sf(e0), rf[half], -base[half]), fmaf(sf(e0 + 1), rf[half], -base[half]));
+    const uint32_t hi = exp2_bytes(fmaf(sf(e0 + 4), rf[half], -base[half]), fmaf(sf(e0 + 5), rf[half], -base[half]));
+    const uint32_t word = __byte_perm(lo, hi, 0x6420);
+    prob_w(w) = word;
+    bytes[half] = __dp4a(word, 0x01010101u, bytes[half]);
   }
   CUTE_UNROLL
-  for (int half = 0; half < 2; ++half) row_sum[half] = row_sum[half] * alpha[half] + sum[half] * 255.f * tile_unit[half];
+  for (int half = 0; half < 2; ++half)
+    row_sum[half] = fmaf(row_sum[half], alpha[half], (magic_float(int32_t(bytes[half])) - kMagic) * tile_unit[half]);
 }
 
-// O += unit * O_tile per row half, O_tile the int32 product of one tile (exact in fp32).
+// O += unit * O_tile per row half (O_tile the int32 product of one tile, read as a denormal; `unit`
+// carries kUnitScale).
 template <class FragO, class FragOi>
 __device__ __forceinline__ void accumulate(FragO& o, const FragOi& oi, const float (&unit)[2]) {
   CUTE_UNROLL
-  for (int e = 0; e < size(o); ++e) o(e) = fmaf(unit[(e >> 1) & 1], magic_float(oi(e)) - kMagic, o(e));
+  for (int e = 0; e < size(o); ++e) o(e) = fma_keep_denormals(__int_as_float(oi(e)), unit[(e >> 1) & 1], o(e));
 }
 
 // O *= alpha per row half, skipped by a warp none of whose rows moved its reference.
@@ -207,7 +228,7 @@ __device__ __forceinline__ void rescale(FragO& o, const float (&alpha)[2]) {
   }
 }
 
-// The task's output: O * v_scale / row sum + v_mean (0 for an empty row), lse + lse_shift.
+// The task's output: (O * 2^23 / row sum - 128) * v_scale + v_mean (0 for an empty row), lse + lse_shift.
 template <class T, class FragO, class CoordO>
 __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, const Task& t, const FragO& o,
                                              const float (&row_max)[2], const float (&row_sum)[2],
@@ -235,8 +256,8 @@ __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, c
     const float2 vm = __ldg(reinterpret_cast<const float2*>(v_mean + col));
     const float inv = r.inv[half];
     const bool keys = inv != 0.f;  // an empty row stays 0 (v_mean is added to weights summing to 1)
-    const float v0 = keys ? fmaf(o(e) * inv, vs.x, vm.x) : 0.f;
-    const float v1 = keys ? fmaf(o(e + 1) * inv, vs.y, vm.y) : 0.f;
+    const float v0 = keys ? fmaf(fmaf(o(e) * inv, kOutputScale, -128.f), vs.x, vm.x) : 0.f;
+    const float v1 = keys ? fmaf(fmaf(o(e + 1) * inv, kOutputScale, -128.f), vs.y, vm.y) : 0.f;
     if (split) {
       const int64_t part = int64_t(t.split) * rows_per_split + bh * p.seq_q + row;
       *reinterpret_cast<float2*>(p.o_partial + part * T::kHeadDim + col) = make_float2(v0, v1);
@@ -307,8 +328,10 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
       auto scores = [&](int i) {  // S_i landed: K scales read, K released, softmax into P
         warpgroup_fence_operand(s);
-        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks_smem + read_k.stage * T::kTileKV, lane_col, row_of_half,
-                         rf, row_max, row_sum, alpha, unit, prob_w);
+        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks_smem + read_k.stage * T::kTileKV, lane_col,
+                         row_of_half, rf, row_max, row_sum, alpha, unit, prob_w);
+        unit[0] *= kUnitScale;
+        unit[1] *= kUnitScale;
         hopper::release(&bar.k_empty[read_k.stage]);
         read_k.advance();
         if (i == n - 1) hopper::release(&bar.q_empty[qs]);
@@ -369,7 +392,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<int8_t*>(base)), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<int8_t*>(base + T::kSmemKOffset)), typename T::SmemLayoutK{});
-  Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<int8_t*>(base + T::kSmemVOffset)), typename T::SmemLayoutVt{});
+  Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<uint8_t*>(base + T::kSmemVOffset)), typename T::SmemLayoutVt{});
   __shared__ PipelineBarriers<T::kStages, T::kQStages> bar;
   if (threadIdx.x == 0) bar.init(1, T::kConsumerWarps, T::kConsumerWarps);
   __syncthreads();

@@ -13,9 +13,9 @@ extern "C" {
 // Layouts the quantization pass writes, heads-major (B, H, ...), all contiguous:
 //   q8        [B, H, Sq, D] int8          q_scale [B, H, Sq] fp32       lse_shift [B, H, Sq] fp32
 //   k8        [B, H, Skv_pad, D] int8     k_scale [B, H, Skv_pad] fp32  (k - k_mean; zero past Skv)
-//   v8        [B, H, Skv_pad / 16, D, 16] int8 of v - v_mean: V transposed in chunks of 16 tokens
-//             (8-bit wgmma reads both operands K-major), the tokens of a chunk in the order of the
-//             P V product's register operand (TESSERA_V_CHUNK_TOKEN below); zero past Skv
+//   v8        [B, H, Skv_pad / 16, D, 16] uint8: int8 of v - v_mean plus 128, V transposed in chunks
+//             of 16 tokens (8-bit wgmma reads both operands K-major), the tokens of a chunk in the
+//             order of the P V product's register operand (TESSERA_V_CHUNK_TOKEN below); 128 past Skv
 //   v_scale, v_mean, k_mean [B, H, D] fp32
 // Skv_pad is a multiple of 128 at or past Skv, so a KV slot never reads past the buffers.
 #define TESSERA_QUANTIZED_ALIGN 128
@@ -61,7 +61,7 @@ typedef struct TesseraQuantizeParams {
   float* q_scale;
   int8_t* k8;
   float* k_scale;
-  int8_t* v8;
+  uint8_t* v8;
   float* v_scale;
   float* v_mean;
   float* k_mean;

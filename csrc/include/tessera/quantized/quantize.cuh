@@ -5,7 +5,8 @@
 //   channel_finish      per (b, h): k_mean, v_mean and v_scale from the segments' partials;
 //   quantize_rows       per (b, h) and 128 tokens: Q and K rows to int8 with a scale per token (a
 //                       warp per row; Q's lse_shift = scale * q . k_mean on the way), V to int8 per
-//                       channel, written transposed in 16-token chunks (a thread per channel).
+//                       channel plus 128, written transposed in 16-token chunks (a thread per
+//                       channel).
 // The partials keep the pass deterministic (no atomics).
 #pragma once
 #include <cuda_bf16.h>
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
                    ? quantize_value(load_element(p.v, row_offset(p.v_stride, b, s, h) + d, p.dtype) - v_mean, v_scale)
                    : 0;
       }
-      x[w] = pack_int8(q[0], q[1], q[2], q[3]);
+      x[w] = pack_int8(q[0], q[1], q[2], q[3]) ^ 0x80808080u;  // plus 128 per byte
     }
     // Byte j of the chunk row holds token TESSERA_V_CHUNK_TOKEN(j): words of tokens {0, 1, 8, 9},
     // {2, 3, 10, 11}, {4, 5, 12, 13}, {6, 7, 14, 15}.

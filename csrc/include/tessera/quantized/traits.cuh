@@ -1,7 +1,7 @@
 // Compile-time shape of one 8-bit Hopper (sm90a) kernel variant: Q K^T as int8 x int8 -> int32 and
-// P V as uint8 x int8 -> int32 wgmma, both operands K-major; the warpgroup roles, ping-pong and
-// register budgets of the 16-bit kernels (tessera/hopper/traits.cuh). Every shape assumption is
-// checked here.
+// P V as uint8 x uint8 -> int32 wgmma (V offset by 128), both operands K-major; the warpgroup
+// roles, ping-pong and register budgets of the 16-bit kernels (tessera/hopper/traits.cuh). Every
+// shape assumption is checked here.
 #pragma once
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -50,16 +50,17 @@ struct Traits {
   static constexpr int kConsumerRegisters = 232;
   static constexpr float kRescaleThreshold = 8.0f;  // lazy softmax reference (attention.cuh)
 
-  // int32 values the scores and a tile's P V product reach: exact in fp32's 24-bit mantissa and
-  // within the magic-number conversion's range (to_float below).
+  // int32 values the scores and a tile's P V product reach: a score is within the magic-number
+  // conversion's range (|s| < 2^22), a product (u8 x u8, never negative) below 2^23, where its bits
+  // read as an fp32 denormal are exactly the product times 2^-149 (attention.cuh).
   static constexpr int64_t kMaxScore = int64_t(kHeadDim) * 127 * 127;
-  static constexpr int64_t kMaxProduct = int64_t(kTileKV) * 255 * 127;
+  static constexpr int64_t kMaxProduct = int64_t(kTileKV) * 255 * 255;
 
   using MmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<int8_t, int8_t, int32_t, Shape<Int<64>, Int<kTileKV>, Int<kHeadDim>>>(),
       Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
   using MmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<uint8_t, int8_t, int32_t, Shape<Int<64>, Int<kHeadDim>, Int<kTileKV>>, GMMA::Major::K,
+      GMMA::rs_op_selector<uint8_t, uint8_t, int32_t, Shape<Int<64>, Int<kHeadDim>, Int<kTileKV>>, GMMA::Major::K,
                            GMMA::Major::K>(),
       Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
 
@@ -70,14 +71,14 @@ struct Traits {
                                              Shape<Int<kTileKV>, Int<kHeadDim>, Int<kStages>>{}));
   // V^T (head dim, key): per 16-key chunk, kHeadDim rows of 16 bytes (8 x 16-byte core matrices),
   // chunks 2 KB apart: the chunk layout of v8, so a slot's chunks arrive in one bulk copy.
-  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_K_INTER_Atom<int8_t>{},
+  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_K_INTER_Atom<uint8_t>{},
                                               Shape<Int<kHeadDim>, Int<kTileKV>, Int<kStages>>{}));
 
   static_assert(kTileQ == 64 || kTileQ == 128, "64 or 128 query rows (one or two consumer warpgroups)");
   static_assert(kTileKV == 64 || kTileKV == 128, "KV tile 64 or 128");
   static_assert(kHeadDim == TESSERA_QUANTIZED_HEAD_DIM, "rows of Q and K are one 128-byte swizzle span");
   static_assert(kStages >= 2 && kStages <= 4, "pipeline depth 2-4");
-  static_assert(kMaxScore < (1 << 22) && kMaxProduct < (1 << 22), "int32 results convert exactly (to_float)");
+  static_assert(kMaxScore < (1 << 22) && kMaxProduct < (1 << 23), "int32 results convert exactly (attention.cuh)");
   static_assert(!kReallocRegisters || kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
                                           kLaunchRegisters * kThreads,
                 "register budgets fit the registers the CTA launches with");
