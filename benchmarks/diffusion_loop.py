@@ -13,6 +13,7 @@ Systems (``--systems``, run one after another on the same model and the same lat
                         ``stock``); both on diffusers' cuDNN SDPA backend
     stock               the stock processors as they are (HunyuanVideo-1.5: its dense S x S mask)
     one-liner           ``transformer.set_attn_processor(TesseraProcessor())``, the README's line
+    one-liner-int8      the same with ``TesseraProcessor(precision="int8")`` (the 8-bit kernels)
     attach              ``TesseraProcessor().attach(transformer)``
     tessera:<sp>        ``TesseraProcessor(<sp>)`` with a named sparsifier (``SPARSIFIERS``)
     flex:<sp>           the same processor and masks, FlexAttention (compiled, its fastest tiles)
@@ -27,9 +28,10 @@ two), so with the default ``--first-step`` (the processor's dense warm-up length
 step of a sparse system is sparse. Reported per system: wall time of each measured step (the
 transformer forwards of that step, to completion), peak GPU memory over the measured steps,
 attention time (GPU time inside the attention calls, mask preparation and planning included, for
-the processor-based systems), mean mask density, the processor's plan-reuse counts, and the
-relative L2 difference of the first measured step's output from dense's. Nothing is extrapolated
-unless ``--extrapolate`` is given; then the report adds a column labelled as such (measured steps
+the processor-based systems), mean mask density, the processor's plan-reuse counts, the relative
+L2 difference of the first measured step's output from dense's, and that of the latents after the
+last measured step from the one-liner's (``one-liner-int8`` against the same loop in bf16). Nothing
+is extrapolated unless ``--extrapolate`` is given; then the report adds a column labelled as such (measured steps
 and layers scaled to 50 steps, two branches, every layer).
 
     python benchmarks/diffusion_loop.py --out benchmarks/results/loop                 # H200
@@ -433,6 +435,7 @@ class SystemResult:
     sparsifier: str = ""
     stats: dict = field(default_factory=dict)
     first_output: torch.Tensor | None = None
+    final_latents: torch.Tensor | None = None
 
     @property
     def steady_s(self) -> float:
@@ -475,8 +478,9 @@ def install(system: str, model, args, device: torch.device):
         processor._attention_backend = args.dense_backend if device.type == "cuda" else None
         model.set_attn_processor(processor)
         return processor, restore
-    if kind == "one-liner":
-        processor = TesseraProcessor(time_attention=True)
+    if kind in ("one-liner", "one-liner-int8"):
+        precision = "int8" if kind == "one-liner-int8" else "input"
+        processor = TesseraProcessor(time_attention=True, precision=precision)
         model.set_attn_processor(processor)
         return processor, restore
     if kind == "attach":
@@ -499,7 +503,8 @@ def install(system: str, model, args, device: torch.device):
             raise Unavailable("VSA needs a CUDA device")
         backend = VsaBackend()
     else:
-        raise InvalidArgumentError("--systems", "dense, stock, one-liner, attach or <tessera|flex|flashinfer|vsa>:"
+        raise InvalidArgumentError("--systems", "dense, stock, one-liner, one-liner-int8, attach or "
+                                   "<tessera|flex|flashinfer|vsa>:"
                                    "<sparsifier>", system)
     processor = TesseraProcessor(sparsifier, backend=backend, time_attention=True)
     processor._attention_backend = args.dense_backend if device.type == "cuda" else None
@@ -554,6 +559,7 @@ def run_system(system: str, model, latents0, extra, inputs, args, device) -> Sys
                     result.first_output = output.float().cpu()
                 if args.progress:
                     print(f"    step {args.first_step + i}: {result.step_s[-1]:.2f} s", flush=True)
+            result.final_latents = latents.float().cpu()
             if device.type == "cuda":
                 result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
         if processor is not None:
@@ -639,6 +645,7 @@ def summarize(spec: ModelSpec, grid: LatentGrid, layers: int, args, results: lis
     full_layers = spec.full_layers if not args.smoke else layers
     by_name = {r.system: r for r in results}
     dense = by_name.get("dense")
+    one_liner = by_name.get("one-liner")
     rows = []
     for r in results:
         row = {
@@ -662,6 +669,9 @@ def summarize(spec: ModelSpec, grid: LatentGrid, layers: int, args, results: lis
             if dense.first_output is not None and r.first_output is not None:
                 diff = (r.first_output - dense.first_output).norm() / dense.first_output.norm().clamp_min(1e-12)
                 row["output_rel_diff_vs_dense"] = float(diff)
+        if one_liner is not None and one_liner.final_latents is not None and r.final_latents is not None:
+            want = one_liner.final_latents
+            row["final_latents_rel_diff_vs_one_liner"] = float((r.final_latents - want).norm() / want.norm().clamp_min(1e-12))
         if args.extrapolate:
             row["extrapolated_50_step_cfg_s"] = (
                 r.steady_s * (full_layers / layers) * (FULL_BRANCHES / branches) * FULL_STEPS
@@ -706,13 +716,13 @@ def write_reports(out: Path, report: dict) -> None:
             + (" The last column is extrapolated (50 steps, 2 branches, every layer), not measured." if model["extrapolated"] else ""),
             "",
             "| system | status | mask density | first step (s) | steady step (s) | steady vs dense | total (s) "
-            "| peak (GiB) | peak vs dense | attention (ms) | plans: selections reused | out diff vs dense |"
-            + (" extrapolated 50-step CFG (s) |" if model["extrapolated"] else ""),
-            "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if model["extrapolated"] else ""),
+            "| peak (GiB) | peak vs dense | attention (ms) | plans: selections reused | out diff vs dense "
+            "| final latents diff vs one-liner |" + (" extrapolated 50-step CFG (s) |" if model["extrapolated"] else ""),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if model["extrapolated"] else ""),
         ]
         for row in model["systems"]:
             if row["status"] != "ok":
-                lines.append(f"| {row['system']} | {row['status']}: {row['detail'][:90]} |" + " |" * (10 + model["extrapolated"]))
+                lines.append(f"| {row['system']} | {row['status']}: {row['detail'][:90]} |" + " |" * (11 + model["extrapolated"]))
                 continue
             plans = row["stats"].get("plans", {})
             reuse = (f"{plans.get('selections_reused', 0)}/{plans.get('plans_prepared', 0)} "
@@ -723,6 +733,7 @@ def write_reports(out: Path, report: dict) -> None:
                 f"{row['steady_step_s']:.2f}", f"{row.get('steady_vs_dense', float('nan')):.3f}", f"{row['total_s']:.1f}",
                 f"{row['peak_gib']:.1f}", f"{row.get('peak_vs_dense', float('nan')):.3f}", f"{row['attention_ms']:.0f}",
                 reuse, f"{row.get('output_rel_diff_vs_dense', float('nan')):.3f}",
+                f"{row.get('final_latents_rel_diff_vs_one_liner', float('nan')):.4f}",
             ]
             if model["extrapolated"]:
                 cells.append(f"{row['extrapolated_50_step_cfg_s']:.0f}")
@@ -775,7 +786,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--systems",
         default="dense,one-liner,attach",
-        help="comma-separated, run in this order: dense, stock, one-liner, attach, tessera:<sp>, flex:<sp>, "
+        help="comma-separated, run in this order: dense, stock, one-liner, one-liner-int8, attach, tessera:<sp>, "
+        "flex:<sp>, "
         f"flashinfer:<sp>, vsa:<sp> with <sp> one of {', '.join(SPARSIFIERS)}; a suffix +compile compiles the "
         "transformer's blocks (compile_repeated_blocks(fullgraph=True)) after installing the system",
     )

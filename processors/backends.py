@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from tessera_diffusers import reference
+from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
+from tessera_diffusers.plans import INPUT_PRECISION, PRECISIONS
 from tessera_diffusers.runtime import Runtime, execute, make_request
 from tessera_diffusers.selector import Selector
 from tessera_diffusers.validation import check_inputs
@@ -64,13 +67,20 @@ class TesseraBackend:
     new mask of the layer take the plan-table regime of the layer's previous mask without a
     statistics read or a ranking scan: from a layer's second sparse step on, a new mask pays only
     its launch preparation. ``runtime`` given: every key plans through that one Runtime instead
-    (its ``max_entries`` then bounds the plans of all layers, branches and head parts together)."""
+    (its ``max_entries`` then bounds the plans of all layers, branches and head parts together).
+    ``precision``: as ``block_sparse_attention``'s (``"int8"``: the 8-bit kernels; where they cannot
+    run, the 16-bit ones with a warning)."""
 
     name = "tessera"
 
-    def __init__(self, runtime: Runtime | None = None, *, reuse_regime: bool = True):
+    def __init__(self, runtime: Runtime | None = None, *, reuse_regime: bool = True,
+                 precision: str = INPUT_PRECISION):
+        if precision not in PRECISIONS:
+            raise InvalidArgumentError("precision", f"one of {PRECISIONS}", repr(precision))
         self.runtime = runtime
         self.reuse_regime = reuse_regime
+        self.precision = precision
+        self.warned: set[str] = set()  # what the backend said once for all its keys' Runtimes
         self.runtimes: dict[Hashable, Runtime] = {}  # cache key -> its Runtime (when runtime is None)
         self.plan_counts: dict[Hashable, list[int]] = {}  # cache key -> [plans prepared, selections reused]
 
@@ -95,8 +105,8 @@ class TesseraBackend:
         part: Hashable = None,
     ) -> AttentionResult:
         scale = check_inputs(q, k, v, mask, None)
-        request = make_request(q, k, mask, return_lse)
         runtime = self.runtime_for(slot.key)
+        request = runtime.runnable_precision(make_request(q, k, mask, return_lse, self.precision), self._warn_once)
         misses, reused = runtime.misses, runtime.reused_selections
         with torch.no_grad():
             prepared = runtime.prepared_for(mask, request, None)
@@ -108,8 +118,14 @@ class TesseraBackend:
                 counts[1] += 1
         cache.track(slot, (self.name, request, part), prepared, built)
         if prepared is None:  # no native plan for this request: the reference path
+            runtime.no_plan(request, self._warn_once)
             return reference.attention(q, k, v, mask, scale, return_lse)
-        return execute(prepared, q, k, v, scale, return_lse)
+        return execute(prepared, q, k, v, scale, return_lse, request.precision)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            warnings.warn(message, stacklevel=5)
 
     def reset_counts(self) -> None:
         """Zero the counts of ``plan_report`` (the layers' decisions are kept)."""

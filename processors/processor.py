@@ -39,6 +39,7 @@ import torch
 from tessera_diffusers.errors import InvalidArgumentError, MaskError
 from tessera_diffusers.mask import LogicalMask
 from tessera_diffusers.parallel import Ulysses
+from tessera_diffusers.plans import INPUT_PRECISION, PRECISIONS
 from tessera_diffusers.sparsifiers.adaptive import spade_64
 from tessera_diffusers.sparsifiers.base import LatentGrid, Sparsifier
 from tessera_diffusers.sparsifiers.layout import TileLayout
@@ -139,6 +140,11 @@ class TesseraProcessor(torch.nn.Module):
             as ``stats()["attention_ms"]``.
         warmup_steps: dense denoising steps before the masks start: the defaults' number
             (``DEFAULT_WARMUP_STEPS``) when None; with a sparsifier given, None adds none.
+        precision: ``"input"`` (default): sparse attention in the model's dtype. ``"int8"``: on
+            the 8-bit kernels (``block_sparse_attention``'s ``precision``; Hopper, head dim 128;
+            elsewhere the 16-bit path with a warning). Dense calls (the warm-up steps, text
+            attention) stay in the model's dtype. For the default backend; a ``backend`` given
+            carries its own.
     """
 
     _attention_backend = None  # set by diffusers' ``set_attention_backend`` (compat.py); used for dense calls
@@ -155,8 +161,15 @@ class TesseraProcessor(torch.nn.Module):
         share_branch_masks: bool = False,
         time_attention: bool = False,
         warmup_steps: int | None = None,
+        precision: str = INPUT_PRECISION,
     ):
         super().__init__()
+        if precision not in PRECISIONS:
+            raise InvalidArgumentError("precision", f"one of {PRECISIONS}", repr(precision))
+        if backend is not None and precision != INPUT_PRECISION:
+            raise InvalidArgumentError("precision", f"{INPUT_PRECISION!r} when a backend is given (set the "
+                                       "precision on the backend, e.g. TesseraBackend(precision=...))",
+                                       repr(precision))
         if sparsifier is not None and (not callable(sparsifier) or not hasattr(sparsifier, "layout")):
             raise InvalidArgumentError("sparsifier", "a sparsifier (layout() and __call__)", type(sparsifier).__name__)
         if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
@@ -173,7 +186,7 @@ class TesseraProcessor(torch.nn.Module):
         keep = isinstance(recompute_every, int) and recompute_every > 1 or self.share_branch_masks
         self.cache = StepCache(recompute_every, cache_bytes, keep_masks=keep)
         self.timer = AttentionTimer() if time_attention else None
-        backend = backend if backend is not None else TesseraBackend()
+        backend = backend if backend is not None else TesseraBackend(precision=precision)
         self.backend = backend if self.timer is None else TimedBackend(backend, self.timer)
         self.latent_grid = None if latent_grid is None else LatentGrid.of(latent_grid)
         self.branches = branches
@@ -674,8 +687,8 @@ class TesseraProcessor(torch.nn.Module):
     def stats(self) -> dict:
         """What the processor chose and did: the sparsifier per model route, calls per route,
         sparse/dense decisions, the mean block density of the masks it made (one host sync), the
-        layers' reuse of their plan-table decisions, the attention time (with ``time_attention``)
-        and the step cache's reuse and memory (bytes)."""
+        sparse calls' precision, the layers' reuse of their plan-table decisions, the attention
+        time (with ``time_attention``) and the step cache's reuse and memory (bytes)."""
         density = math.nan if self.density_sum is None else float(self.density_sum) / self.masks_computed
         report = {
             "sparsifiers": self.chosen_sparsifiers(),
@@ -686,6 +699,7 @@ class TesseraProcessor(torch.nn.Module):
             "mean_mask_density": density,
         }
         if self.tessera_backend is not None:
+            report["precision"] = self.tessera_backend.precision
             report["plans"] = self.tessera_backend.plan_report(keys=lambda key: isinstance(key, tuple) and key[:1] != ("dense",))
         if self.timer is not None:
             report["attention_ms"] = self.timer.total_ms()

@@ -47,6 +47,7 @@ model's mask. Nothing runs on a GPU; it takes a few seconds.
 
     tessera explain --geometry Q64K64 --seq 32768 --heads 24
     tessera explain --geometry Q16K16 --seq 75600 --heads 40 --arch sm90 --mask banded
+    tessera explain --geometry Q128K128 --precision int8
 """
 
 
@@ -59,6 +60,8 @@ def add_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=positive_int, default=24, help="attention heads (default 24)")
     p.add_argument("--head-dim", type=head_dim, default=128, help="head dimension (default 128)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--precision", default="input", choices=["input", "int8"],
+                   help="input: computed in --dtype (default); int8: the 8-bit kernels (head dim 128, sm90)")
     p.add_argument("--density", type=density, default=0.1,
                    help="share of active blocks of the example mask, in (0, 1] (default 0.1)")
     p.add_argument("--mask", choices=("random", "banded"), default="random",
@@ -106,14 +109,20 @@ def run_explain(args: argparse.Namespace) -> int:
         mask = banded_mask(heads, args.seq, bq, bkv, args.density)
     else:
         mask = random_mask(1, heads, args.seq, args.seq, bq, bkv, density=args.density, empty_rows=False)
-    request = Request(1, args.heads, args.seq, args.seq, args.head_dim, args.dtype, bq, bkv, target)
+    request = Request(1, args.heads, args.seq, args.seq, args.head_dim, args.dtype, bq, bkv, target,
+                      precision=args.precision)
     # The loaded library's kernels where it serves the architecture explained (then a table profiled
     # on other kernel sources says so), else every kernel of the catalog.
     loaded = target == device_arch and native_available()
     selector, state = Selector(table=table, kernels=None if loaded else all_kernels()), build_mask_state(mask)
-    selection = selector.rank(request, state)
+    if args.precision == "int8":
+        selection = selector.quantized(request, state)
+    else:
+        selection = selector.rank(request, state)
     print(selection.explain())
-    if selection.chosen is not None:  # what the runtime re-prepares the mask with when it comes back
+    if selection.chosen is not None and args.precision == "int8":
+        print(f"a mask that comes back: {selection.chosen.name} (an 8-bit request keeps its plan)")
+    elif selection.chosen is not None:  # what the runtime re-prepares the mask with when it comes back
         reused = selector.reused_plan(selection.chosen, request, state)
         by = selector.reused_request(selection.chosen, request)
         source = "the rule" if by is None else f"the table's {by.key} key"

@@ -258,20 +258,30 @@ class Runtime:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """See ``block_sparse_attention``."""
         scale = check_inputs(q, k, v, mask, scale, check_finite)
-        request = make_request(q, k, mask, return_lse, precision)
-        if precision == "int8":
-            why = quantized_unavailable(request)
-            if why is not None:  # never silently: the 16-bit path runs instead, said once
-                self._warn_once(f"precision=\"int8\" unavailable for {request.key} ({why}): running the "
-                                f"{request.dtype} kernels instead")
-                request = dataclasses.replace(request, precision=INPUT_PRECISION)
+        request = self.runnable_precision(make_request(q, k, mask, return_lse, precision))
         prepared = self.prepared_for(mask, request, plan)
         if prepared is None:
-            if request.precision == "int8":
-                self._warn_once(f"precision=\"int8\": no plan of {request.key} has an 8-bit kernel; running the "
-                                "reference oracle")
+            self.no_plan(request)
             return reference.attention(q, k, v, mask, scale, return_lse)
         return execute(prepared, q, k, v, scale, return_lse, request.precision)
+
+    def runnable_precision(self, request: Request, warn: Callable[[str], None] | None = None) -> Request:
+        """``request``, or where its precision cannot run here (``quantized_unavailable``) the same
+        request in the inputs' precision, said through ``warn`` (default: once per Runtime)."""
+        if request.precision == "int8":
+            why = quantized_unavailable(request)
+            if why is not None:
+                (warn or self._warn_once)(f"precision=\"int8\" unavailable for {request.key} ({why}): "
+                                          f"running the {request.dtype} kernels instead")
+                return dataclasses.replace(request, precision=INPUT_PRECISION)
+        return request
+
+    def no_plan(self, request: Request, warn: Callable[[str], None] | None = None) -> None:
+        """Say (through ``warn``, default once per Runtime) that an 8-bit request found no plan and
+        runs on the reference oracle."""
+        if request.precision == "int8":
+            (warn or self._warn_once)(f"precision=\"int8\": no plan of {request.key} has an 8-bit kernel; "
+                                      "running the reference oracle")
 
     def clear(self) -> None:
         with self._lock:
@@ -287,16 +297,22 @@ class Runtime:
         mask: LogicalMask,
         *,
         return_lse: bool = False,
+        precision: str = INPUT_PRECISION,
         file=None,
     ) -> Selection:
-        """Print (to ``file``, default stdout) and return how ``attention(q, k, v, mask)`` would be
-        planned: the regime, its ranking, every rejected plan with its reason, and the chosen plan.
-        ``q [B, Sq, H, D]``, ``k, v [B, Skv, H, D]``. Prepares and runs nothing."""
+        """Print (to ``file``, default stdout) and return how ``attention(q, k, v, mask,
+        precision=precision)`` would be planned: the regime, its ranking, every rejected plan with its
+        reason, and the chosen plan (with its 8-bit kernel for ``"int8"``). ``q [B, Sq, H, D]``,
+        ``k, v [B, Skv, H, D]``. Prepares and runs nothing."""
         import sys
 
         check_inputs(q, k, v, mask, None)
-        selection = self.selector.rank(make_request(q, k, mask, return_lse), build_mask_state(mask),
-                                       warn=self._warn_once)
+        request = make_request(q, k, mask, return_lse, precision)
+        state = build_mask_state(mask)
+        if request.precision == "int8":
+            selection = self.selector.quantized(request, state, warn=self._warn_once)
+        else:
+            selection = self.selector.rank(request, state, warn=self._warn_once)
         print(selection.explain(), file=file or sys.stdout)
         return selection
 

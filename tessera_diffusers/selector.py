@@ -81,6 +81,9 @@ class Selection:
 
     def explain(self, limit: int = 12) -> str:
         lines = [f"request  {self.request.name}", f"source   {self.source}"]
+        if self.request.precision != INPUT_PRECISION:
+            lines.append(f"precision {self.request.precision}: the quantization pass, then the chosen plan's "
+                         "8-bit kernel (Q K^T and P V on the 8-bit tensor cores)")
         if self.regime is not None:
             lines.append(f"regime   {self.regime.name}: {self.regime.rule} ({self.regime.cases} profiled cases)")
             lines.append(f"choice   {describe_choice(self.regime)}")
@@ -96,7 +99,11 @@ class Selection:
             lines += [f"  {name}: {why}" for name, why in self.rejected[:limit]]
             if len(self.rejected) > limit:
                 lines.append(f"  ... {len(self.rejected) - limit} more")
-        lines.append(f"chosen   {self.chosen.name if self.chosen else 'reference oracle'}")
+        chosen = self.chosen.name if self.chosen else "reference oracle"
+        if self.chosen is not None and self.request.precision == "int8":
+            k = self.chosen.kernel
+            chosen += f" (8-bit kernel {quantized_variant(k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages).name})"
+        lines.append(f"chosen   {chosen}")
         return "\n".join(lines)
 
 
@@ -123,6 +130,7 @@ class RequestEntry:
     by_regime: dict = field(default_factory=dict)  # regime index -> Selection (or EVERY_PLAN_REJECTED)
     last_regime: int | None = None  # the regime the previous request of this entry fell in
     cost_model_choice: Selection | None = None  # the previous cost-model decision (for reuse_regime)
+    quantized_choice: Selection | None = None  # the previous 8-bit decision of this request (for reuse_regime)
     arbitrated: dict = field(default_factory=dict)  # regime index -> the last decision of its cost model or plan rule
     scheduled: dict = field(default_factory=dict)  # (regime index, id of the plan before the rule) -> the last rule decision
     rules: dict = field(default_factory=dict)  # (regime index, id of the plan before the rule) -> its schedule rule or None
@@ -309,10 +317,14 @@ class Selector:
         """The decision for an 8-bit request (``request.precision == "int8"``). The 8-bit kernels
         run the plans of the 16-bit request, so that request is ranked (plan table or cost model)
         and its best-ranked eligible plan whose kernel has an 8-bit variant is chosen; plans the
-        ranking does not name follow in the cost model's order. ``chosen`` None: no such plan."""
+        ranking does not name follow in the cost model's order. ``chosen`` None: no such plan. With
+        ``reuse_regime``, the request's previous 8-bit decision serves again (no statistics read)."""
         base = dataclasses.replace(request, precision=INPUT_PRECISION)
-        ranked = self.rank(base, state, warn)
         entry = self._requests.get(base) or self._entry(base, warn)
+        if self.reuse_regime and entry.quantized_choice is not None:
+            self.regime_reuses += 1
+            return entry.quantized_choice
+        ranked = self.rank(base, state, warn)
         estimated = self._cost_model(entry, base, state)
         plans = {p.name: p for p in entry.eligible or ()}
         position = {name: i for i, (name, _) in enumerate(ranked.ranking)}
@@ -321,8 +333,10 @@ class Selector:
                        key=lambda n: (position.get(n, len(position)), estimates.get(n, math.inf)))
         rejected = tuple((n, "its kernel has no 8-bit variant") for n in plans if n not in names)
         notes = ranked.notes + (f"precision int8: the best-ranked plan of {base.key} that an 8-bit kernel runs",)
-        return Selection(request, tuple((n, estimates.get(n)) for n in names), rejected + ranked.rejected,
-                         plans[names[0]] if names else None, ranked.source, ranked.regime, notes)
+        entry.quantized_choice = Selection(request, tuple((n, estimates.get(n)) for n in names),
+                                           rejected + ranked.rejected, plans[names[0]] if names else None,
+                                           ranked.source, ranked.regime, notes)
+        return entry.quantized_choice
 
     def clear(self) -> None:
         self._requests.clear()
@@ -333,6 +347,7 @@ class Selector:
         for entry in self._requests.values():
             entry.last_regime = None
             entry.cost_model_choice = None
+            entry.quantized_choice = None
             entry.arbitrated.clear()
             entry.scheduled.clear()
 

@@ -133,3 +133,36 @@ def test_the_compiled_one_liner_runs_the_same_native_plans(name):
     assert stats["sparse_calls"] == 2 * (STEPS - 1)
     assert stats["plans"]["keys_reusing_every_later_plan"] == 2
     assert graphs <= len(model._repeated_blocks)
+
+
+@pytest.mark.parametrize("name", ["wan", "hv15"])
+def test_the_8bit_one_liner_runs_the_8bit_kernels_within_the_budget(name):
+    """``TesseraProcessor(precision="int8")`` on sm90: the 8-bit kernels on every sparse call (no
+    fallback warning), each sparse step's output close to the bf16 one-liner's and to the oracle's
+    through the same processor (the model's output, after every layer's 8-bit attention)."""
+    from tessera_diffusers.library import quantized_library
+
+    if torch.cuda.get_device_capability() != (9, 0) or quantized_library() is None:
+        pytest.skip("the 8-bit kernels need sm90 and a library built with them")
+    make = wan_model if name == "wan" else hv15_model
+    sparsifier = DenseWarmup(spade_64() if name == "wan" else ssta_384(), steps=1)
+    model, inputs = make()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tessera: no native plan")
+        warnings.filterwarnings("error", message=".*int8")
+        model.set_attn_processor(TesseraProcessor(sparsifier))
+        bf16 = steps(model, inputs)
+        processor = TesseraProcessor(sparsifier, precision="int8")
+        model.set_attn_processor(processor)
+        int8 = steps(model, inputs)
+    oracle = TesseraBackend(Runtime(selector=Selector(table=None, kernels=())))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.set_attn_processor(TesseraProcessor(sparsifier, backend=oracle))
+        reference = steps(model, inputs)
+    assert processor.stats()["precision"] == "int8" and processor.stats()["sparse_calls"] == 2 * (STEPS - 1)
+    assert torch.equal(int8[0], bf16[0])  # the dense warm-up step is the same computation
+    for got, fast, want in zip(int8[1:], bf16[1:], reference[1:]):
+        assert bool(torch.isfinite(got).all())
+        assert float((got - fast).norm() / fast.norm()) < 3e-2
+        assert float((got - want).norm() / want.norm()) < 3e-2

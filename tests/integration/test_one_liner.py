@@ -345,3 +345,34 @@ def test_the_processor_signature_names_both_rotary_arguments():
 
     names = set(inspect.signature(TesseraProcessor().__call__).parameters)
     assert {"rotary_emb", "image_rotary_emb", "attention_mask", "encoder_hidden_states"} <= names
+
+
+def test_the_8bit_one_liner_is_one_keyword_and_says_where_it_cannot_run():
+    # On the CPU the 8-bit kernels cannot run: the processor warns once and gives the 16-bit result.
+    models = [tiny_wan_transformer(num_layers=2) for _ in range(2)]
+    processors = [TesseraProcessor(sparse_sparsifier()), TesseraProcessor(sparse_sparsifier(), precision="int8")]
+    outs = []
+    for model, processor in zip(models, processors):
+        model.set_attn_processor(processor)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            for step in range(3):
+                with cache_context(model, "cond", step):
+                    outs.append(wan_forward(model, 3, 16, False, seed=step))
+        unavailable = [w for w in caught if "int8" in str(w.message) and "unavailable" in str(w.message)]
+        assert len(unavailable) == (1 if processor.backend.precision == "int8" else 0)
+    for a, b in zip(outs[:3], outs[3:]):
+        torch.testing.assert_close(a, b, **TOL)
+    assert processors[1].stats()["precision"] == "int8" and processors[0].stats()["precision"] == "input"
+
+
+def test_an_unknown_precision_or_one_beside_a_backend_is_refused():
+    from tessera_diffusers.processors.backends import TesseraBackend
+
+    with pytest.raises(InvalidArgumentError, match="precision.*one of"):
+        TesseraProcessor(precision="fp8")
+    with pytest.raises(InvalidArgumentError, match="precision.*one of"):
+        TesseraBackend(precision="int4")
+    with pytest.raises(InvalidArgumentError, match="precision.*backend is given"):
+        TesseraProcessor(backend=TesseraBackend(), precision="int8")
+    assert TesseraProcessor(backend=TesseraBackend(precision="int8")).backend.precision == "int8"

@@ -163,3 +163,24 @@ def test_explain_on_a_gpu_with_the_library_says_when_the_table_is_stale(monkeypa
     monkeypatch.setattr(library, "native_available", lambda: False)
     assert call("tessera", argv) == 0
     assert "possibly stale" not in capsys.readouterr().out
+
+
+def test_explain_shows_an_8bit_request_and_its_8bit_kernel(capsys):
+    argv = ["explain", "--geometry", "Q128K128", "--seq", "4096", "--heads", "2", "--arch", "sm90", "--precision", "int8"]
+    assert call("tessera", argv) == 0
+    out = capsys.readouterr().out
+    assert "/int8 " in out and "precision int8" in out
+    chosen = next(line for line in out.splitlines() if line.startswith("chosen"))
+    assert "_hopper_" in chosen and "(8-bit kernel hopper8_t128x128_d128_bf16_" in chosen
+    assert "keeps its plan" in out
+    assert call("tessera", argv[:-2]) == 0
+    assert "precision" not in capsys.readouterr().out
+
+
+def test_runtime_explain_takes_the_precision(capsys):
+    from tessera_diffusers import LogicalMask, Runtime
+
+    q = torch.randn(1, 256, 2, 128)
+    mask = LogicalMask(torch.ones(1, 2, 2, 2, dtype=torch.bool), 128, 128, 256, 256)
+    selection = Runtime().explain(q, q, q, mask, precision="int8")
+    assert selection.request.precision == "int8" and "precision int8" in capsys.readouterr().out

@@ -185,6 +185,28 @@ def test_the_8bit_choice_is_the_best_ranked_plan_an_8bit_kernel_runs():
     assert any("8-bit" in note for note in selection.notes)
 
 
+def test_with_regime_reuse_an_8bit_request_takes_its_previous_decision_without_a_scan():
+    from tessera_diffusers.catalog import all_kernels
+    from tessera_diffusers.mask_state import build_mask_state
+    from tessera_diffusers.plans import Request
+    from tessera_diffusers.selector import Selector
+
+    request = Request(1, 2, 4096, 4096, 128, "bf16", 64, 64, "sm90", precision="int8")
+    selector = Selector(kernels=all_kernels(), reuse_regime=True)
+    first = selector.quantized(request, build_mask_state(random_mask(1, 2, 4096, 4096, 64, 64, density=0.1, seed=2)))
+    scans, reuses = selector.scans, selector.regime_reuses
+    state = build_mask_state(random_mask(1, 2, 4096, 4096, 64, 64, density=0.1, seed=3))
+    assert selector.quantized(request, state) is first
+    assert selector.scans == scans and selector.regime_reuses == reuses + 1 and not state.statistics_read
+    selector.forget_regimes()
+    assert selector.quantized(request, state).chosen == first.chosen and selector.scans > scans
+    fresh = Selector(kernels=all_kernels())  # without reuse every request is ranked
+    fresh.quantized(request, state)
+    scans = fresh.scans
+    fresh.quantized(request, state)
+    assert fresh.scans > scans
+
+
 def test_8bit_sources_stay_out_of_the_16bit_kernels_hash(tmp_path):
     """An edit of the 8-bit path leaves the 16-bit plan table current (build_native.QUANTIZED_ONLY)."""
     import importlib.util
