@@ -30,9 +30,9 @@ transformer forwards of that step, to completion), peak GPU memory over the meas
 attention time (GPU time inside the attention calls, mask preparation and planning included, for
 the processor-based systems), mean mask density, the processor's plan-reuse counts, the relative
 L2 difference of the first measured step's output from dense's, and that of the latents after the
-last measured step from the one-liner's (``one-liner-int8`` against the same loop in bf16). Nothing
-is extrapolated unless ``--extrapolate`` is given; then the report adds a column labelled as such (measured steps
-and layers scaled to 50 steps, two branches, every layer).
+last measured step from the one-liner's (``one-liner-int8`` against the same loop in bf16).
+Nothing is extrapolated unless ``--extrapolate`` is given; then the report adds a column labelled
+as such (measured steps and layers scaled to 50 steps, two branches, every layer).
 
     python benchmarks/diffusion_loop.py --out benchmarks/results/loop                 # H200
     python benchmarks/diffusion_loop.py --out /tmp/loop --models wan --systems one-liner \
@@ -504,8 +504,7 @@ def install(system: str, model, args, device: torch.device):
         backend = VsaBackend()
     else:
         raise InvalidArgumentError("--systems", "dense, stock, one-liner, one-liner-int8, attach or "
-                                   "<tessera|flex|flashinfer|vsa>:"
-                                   "<sparsifier>", system)
+                                   "<tessera|flex|flashinfer|vsa>:<sparsifier>", system)
     processor = TesseraProcessor(sparsifier, backend=backend, time_attention=True)
     processor._attention_backend = args.dense_backend if device.type == "cuda" else None
     model.set_attn_processor(processor)
@@ -787,8 +786,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--systems",
         default="dense,one-liner,attach",
         help="comma-separated, run in this order: dense, stock, one-liner, one-liner-int8, attach, tessera:<sp>, "
-        "flex:<sp>, "
-        f"flashinfer:<sp>, vsa:<sp> with <sp> one of {', '.join(SPARSIFIERS)}; a suffix +compile compiles the "
+        f"flex:<sp>, flashinfer:<sp>, vsa:<sp> with <sp> one of {', '.join(SPARSIFIERS)}; a suffix +compile compiles the "
         "transformer's blocks (compile_repeated_blocks(fullgraph=True)) after installing the system",
     )
     parser.add_argument("--steps", type=int, default=None, help="denoising steps measured (default 3; smoke 2)")
