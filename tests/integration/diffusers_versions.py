@@ -7,7 +7,8 @@ For each release: a venv in a temporary folder with ``--system-site-packages`` (
 come from this interpreter's site-packages); ``pip install diffusers==X --no-deps`` into it (even where
 the system has that release); then the base requirements of that release the environment does not
 meet (``huggingface-hub<2`` for 0.41, also ``httpx`` for 0.36; never torch, which diffusers does not
-require). The venv imports this checkout's ``tessera_diffusers`` and ``processors/`` (mapped as
+require), and again, in releases that fit those, the system packages they leave unmet (transformers
+newer than the old huggingface-hub). The venv imports this checkout's ``tessera_diffusers`` and ``processors/`` (mapped as
 setup.py's ``package_dir`` does) whatever the editable install points at; that, and that diffusers
 comes from the venv, is checked before ``python -m pytest -q -p no:cacheprovider <files>`` runs. One
 result line per release; the exit status is non-zero when any release fails.
@@ -86,6 +87,33 @@ for line in requires("diffusers") or []:
 print(json.dumps(unmet))
 """
 
+# Run inside a venv, given the requirements just installed (JSON on argv[1]): the other installed
+# distributions that now miss one of them (a system package needing a newer huggingface-hub than the
+# old diffusers allows, e.g. transformers), to be installed again within the venv's versions.
+BROKEN_DEPENDENTS = """
+import json, sys
+from importlib.metadata import distributions, version
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+changed = {Requirement(r).name.lower().replace("_", "-") for r in json.loads(sys.argv[1])}
+broken = set()
+for dist in distributions():
+    name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+    if name in changed or name == "diffusers":
+        continue
+    for line in dist.requires or []:
+        req = Requirement(line)
+        if req.name.lower().replace("_", "-") not in changed:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if not req.specifier.contains(version(req.name), prereleases=True):
+            broken.add(dist.metadata["Name"])
+print(json.dumps(sorted(broken)))
+"""
+
 # Run inside a venv: where diffusers and the checkout's packages are imported from.
 IMPORT_ORIGINS = """
 import json, diffusers, tessera_diffusers, tessera_diffusers.processors as processors
@@ -153,6 +181,10 @@ def make_env(venv: Path, version: str, python: str) -> tuple[Path, dict]:
     unmet = json.loads(checked([str(vpython), "-c", UNMET_REQUIREMENTS], "reading diffusers' requirements"))
     if unmet:
         checked(pip + unmet, "pip install " + " ".join(unmet))
+        broken = json.loads(checked([str(vpython), "-c", BROKEN_DEPENDENTS, json.dumps(unmet)],
+                                    "finding packages the older requirements break"))
+        if broken:  # pip picks releases of them that fit diffusers' requirements
+            checked(pip + broken + unmet, "pip install " + " ".join(broken + unmet))
     purelib = checked([str(vpython), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], "sysconfig")
     site = Path(purelib.strip())
     (site / "_tessera_checkout.py").write_text(CHECKOUT_FINDER.format(root=str(ROOT)))
