@@ -64,26 +64,27 @@ HOPPER_STAGES: tuple[int, ...] = (2, 3)
 HOPPER_TILE_STAGES: dict[tuple[int, int], tuple[int, ...]] = {(64, 64): (2,)}
 
 
+def family_rows(family: str, tiles: tuple[TileConfig, ...], head_dims: tuple[int, ...], stages: tuple[int, ...],
+                arch: str, tile_stages: dict[tuple[int, int], tuple[int, ...]] | None = None) -> tuple[KernelRow, ...]:
+    """A family's variants in a fixed order: head dim, dtype, tile, stages (``tile_stages`` where it
+    names the tile, else ``stages``)."""
+    return tuple(
+        KernelRow(family, t.tile_q, t.tile_kv, d, dt, st, t.warps, arch)
+        for d in head_dims
+        for dt in DTYPES
+        for t in tiles
+        for st in (tile_stages or {}).get((t.tile_q, t.tile_kv), stages)
+    )
+
+
 def portable_rows() -> tuple[KernelRow, ...]:
     """Every portable variant in a fixed order."""
-    return tuple(
-        KernelRow("portable", t.tile_q, t.tile_kv, d, dt, st, t.warps, "sm80")
-        for d in HEAD_DIMS
-        for dt in DTYPES
-        for t in PORTABLE_TILES
-        for st in PORTABLE_STAGES
-    )
+    return family_rows("portable", PORTABLE_TILES, HEAD_DIMS, PORTABLE_STAGES, "sm80")
 
 
 def hopper_rows() -> tuple[KernelRow, ...]:
     """Every Hopper variant in a fixed order (built only for sm90a targets)."""
-    return tuple(
-        KernelRow("hopper", t.tile_q, t.tile_kv, d, dt, st, t.warps, "sm90a")
-        for d in HEAD_DIMS
-        for dt in DTYPES
-        for t in HOPPER_TILES
-        for st in HOPPER_TILE_STAGES.get((t.tile_q, t.tile_kv), HOPPER_STAGES)
-    )
+    return family_rows("hopper", HOPPER_TILES, HEAD_DIMS, HOPPER_STAGES, "sm90a", HOPPER_TILE_STAGES)
 
 
 def all_rows() -> tuple[KernelRow, ...]:
@@ -101,12 +102,7 @@ QUANTIZED_HEAD_DIM = 128
 
 def quantized_rows() -> tuple[KernelRow, ...]:
     """Every 8-bit Hopper variant in a fixed order (built only for sm90a targets)."""
-    return tuple(
-        KernelRow("hopper8", t.tile_q, t.tile_kv, QUANTIZED_HEAD_DIM, dt, st, t.warps, "sm90a")
-        for dt in DTYPES
-        for t in QUANTIZED_TILES
-        for st in QUANTIZED_STAGES
-    )
+    return family_rows("hopper8", QUANTIZED_TILES, (QUANTIZED_HEAD_DIM,), QUANTIZED_STAGES, "sm90a")
 
 
 def quantized_variant(tile_q: int, tile_kv: int, head_dim: int, dtype: str, stages: int) -> KernelRow | None:
