@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from functools import cache
 
-from .kernel_table import KernelRow, all_rows, hopper_rows, portable_rows
+from .kernel_table import KernelRow, all_rows, hopper_rows, portable_rows, quantized_variant
 from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, TaskOrganization, Traversal
 
 # Task organizations the plan space offers for every kernel.
@@ -43,6 +43,14 @@ def hopper_kernels() -> tuple[KernelSpec, ...]:
 def all_kernels() -> tuple[KernelSpec, ...]:
     """Every kernel of the table (what a full sm80 + sm90a build contains)."""
     return tuple(kernel_spec_from_row(row) for row in all_rows())
+
+
+def quantized_kernel(spec: KernelSpec) -> KernelRow | None:
+    """The 8-bit kernel that runs plans of the 16-bit kernel ``spec`` (a Hopper kernel of a tile the
+    8-bit kernels have), or None."""
+    if spec.family is not Family.HOPPER:
+        return None
+    return quantized_variant(spec.tile_q, spec.tile_kv, spec.head_dim, spec.dtype, spec.stages)
 
 
 def reference_kernel(head_dim: int, dtype: str, tile_q: int = 64, tile_kv: int = 64) -> KernelSpec:

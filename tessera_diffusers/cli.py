@@ -115,10 +115,7 @@ def run_explain(args: argparse.Namespace) -> int:
     # on other kernel sources says so), else every kernel of the catalog.
     loaded = target == device_arch and native_available()
     selector, state = Selector(table=table, kernels=None if loaded else all_kernels()), build_mask_state(mask)
-    if args.precision == "int8":
-        selection = selector.quantized(request, state)
-    else:
-        selection = selector.rank(request, state)
+    selection = selector.rank(request, state)
     print(selection.explain())
     if selection.chosen is not None and args.precision == "int8":
         print(f"a mask that comes back: {selection.chosen.name} (an 8-bit request keeps its plan)")

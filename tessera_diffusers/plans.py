@@ -246,7 +246,7 @@ class Request:
     reused_mask: bool = False
     # "input": the kernels compute in q's dtype (bf16 or fp16); "int8": the 8-bit kernels
     # (quantized.py), which run the plans of the 16-bit request (``Selector.quantized``).
-    precision: str = "input"
+    precision: str = INPUT_PRECISION
 
     @property
     def key(self) -> str:

@@ -3,7 +3,7 @@
 The arithmetic is ``quantized.py``'s (its twin is the CPU oracle of these kernels). A request runs
 as: ``quantize`` (one pass over q, k, v: int8 copies, per-token and per-channel scales, the means
 and the log-sum-exp shift), then the 8-bit kernel over a prepared plan of the 16-bit catalog whose
-tile it has (``kernel_for``): the same metadata, tasks and split-K merge. The quantized tensors are
+tile it has (``catalog.quantized_kernel``): the same metadata, tasks and split-K merge. The quantized tensors are
 the kernels' own layouts (``csrc/include/tessera/quantized/params.h``).
 """
 
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
+from .catalog import quantized_kernel
 from .errors import CatalogError, InvalidArgumentError, describe_tensor
-from .kernel_table import QUANTIZED_HEAD_DIM, quantized_rows, quantized_variant
+from .kernel_table import QUANTIZED_HEAD_DIM, quantized_rows
 from .library import (
     DTYPE_CODES,
     QuantizedLibrary,
@@ -25,7 +26,6 @@ from .library import (
     current_stream_handle,
     quantized_library,
 )
-from .plans import Family, KernelSpec
 from .prepared import PreparedPlan
 
 SEQ_ALIGN = 128  # TESSERA_QUANTIZED_ALIGN: k8, k_scale and v8 hold Skv rounded up to it (zeros past Skv)
@@ -127,30 +127,22 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     return x
 
 
-def kernel_for(spec: KernelSpec) -> str | None:
-    """The 8-bit kernel that runs plans of the 16-bit kernel ``spec``, or None."""
-    if spec.family is not Family.HOPPER:
-        return None
-    row = quantized_variant(spec.tile_q, spec.tile_kv, spec.head_dim, spec.dtype, spec.stages)
-    return None if row is None else row.name
-
-
 def run_quantized(prepared: PreparedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   return_lse: bool, quantized: QuantizedTensors | None = None
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """8-bit attention over ``prepared`` (a plan whose kernel has an 8-bit variant, ``kernel_for``):
+    """8-bit attention over ``prepared`` (a plan whose kernel has an 8-bit variant, ``catalog.quantized_kernel``):
     q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]`` -> out ``[B, Sq, H, D]`` in q's dtype (and lse
     ``[B, H, Sq]`` fp32). ``quantized``: the pass's result for these q, k, v, if already made."""
     spec = prepared.plan.kernel
-    name = kernel_for(spec)
-    if name is None:
+    row = quantized_kernel(spec)
+    if row is None:
         raise InvalidArgumentError("plan", "a plan of a Hopper kernel with an 8-bit variant (tiles "
                                    f"{sorted({(r.tile_q, r.tile_kv) for r in quantized_rows()})}, head_dim "
                                    f"{QUANTIZED_HEAD_DIM})", prepared.plan.name)
     qlib = require_library()
-    kid = qlib.kernel_ids.get(name)
+    kid = qlib.kernel_ids.get(row.name)
     if kid is None:
-        raise CatalogError(f"8-bit kernel {name} is not in the loaded library {qlib.lib.path}")
+        raise CatalogError(f"8-bit kernel {row.name} is not in the loaded library {qlib.lib.path}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise InvalidArgumentError("q, k, v", "tensors that do not require grad (the 8-bit kernels compute the "
                                    "forward pass only)", "requires_grad=True")

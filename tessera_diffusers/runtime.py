@@ -307,12 +307,8 @@ class Runtime:
         import sys
 
         check_inputs(q, k, v, mask, None)
-        request = make_request(q, k, mask, return_lse, precision)
-        state = build_mask_state(mask)
-        if request.precision == "int8":
-            selection = self.selector.quantized(request, state, warn=self._warn_once)
-        else:
-            selection = self.selector.rank(request, state, warn=self._warn_once)
+        selection = self.selector.rank(make_request(q, k, mask, return_lse, precision), build_mask_state(mask),
+                                       warn=self._warn_once)
         print(selection.explain(), file=file or sys.stdout)
         return selection
 

@@ -53,11 +53,10 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from . import config, library
-from .catalog import all_kernels, plans_for
+from .catalog import all_kernels, plans_for, quantized_kernel
 from .cost_model import PlanEstimator
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
-from .kernel_table import quantized_variant
 from .mask_state import MaskState
 from .plan_table import STAT_NAMES, PlanTable, RankedPlan, Regime, RegimeTree, ScheduleRule, default_table, tile_group
 from .plans import INPUT_PRECISION, Family, KernelSpec, PhysicalPlan, QLayout, Request
@@ -101,8 +100,7 @@ class Selection:
                 lines.append(f"  ... {len(self.rejected) - limit} more")
         chosen = self.chosen.name if self.chosen else "reference oracle"
         if self.chosen is not None and self.request.precision == "int8":
-            k = self.chosen.kernel
-            chosen += f" (8-bit kernel {quantized_variant(k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages).name})"
+            chosen += f" (8-bit kernel {quantized_kernel(self.chosen.kernel).name})"
         lines.append(f"chosen   {chosen}")
         return "\n".join(lines)
 
@@ -303,7 +301,10 @@ class Selector:
         return None if table is None or reused.key not in table.keys else reused
 
     def rank(self, request: Request, state: MaskState, warn: Warn | None = None) -> Selection:
-        """The full decision for ``explain``: every ranked plan checked, every rejection kept."""
+        """The full decision for ``explain``: every ranked plan checked, every rejection kept (for an
+        8-bit request, ``quantized``'s decision without reuse)."""
+        if request.precision != INPUT_PRECISION:
+            return self._quantized_selection(request, state, warn)
         entry = self._requests.get(request) or self._entry(request, warn)
         if entry.regimes:
             index = entry.tree.regime_of(state.host_stat_values) if entry.stats_needed else 0
@@ -324,7 +325,13 @@ class Selector:
         if self.reuse_regime and entry.quantized_choice is not None:
             self.regime_reuses += 1
             return entry.quantized_choice
+        entry.quantized_choice = self._quantized_selection(request, state, warn)
+        return entry.quantized_choice
+
+    def _quantized_selection(self, request: Request, state: MaskState, warn: Warn | None) -> Selection:
+        base = dataclasses.replace(request, precision=INPUT_PRECISION)
         ranked = self.rank(base, state, warn)
+        entry = self._requests.get(base) or self._entry(base, warn)
         estimated = self._cost_model(entry, base, state)
         plans = {p.name: p for p in entry.eligible or ()}
         position = {name: i for i, (name, _) in enumerate(ranked.ranking)}
@@ -333,10 +340,8 @@ class Selector:
                        key=lambda n: (position.get(n, len(position)), estimates.get(n, math.inf)))
         rejected = tuple((n, "its kernel has no 8-bit variant") for n in plans if n not in names)
         notes = ranked.notes + (f"precision int8: the best-ranked plan of {base.key} that an 8-bit kernel runs",)
-        entry.quantized_choice = Selection(request, tuple((n, estimates.get(n)) for n in names),
-                                           rejected + ranked.rejected, plans[names[0]] if names else None,
-                                           ranked.source, ranked.regime, notes)
-        return entry.quantized_choice
+        return Selection(request, tuple((n, estimates.get(n)) for n in names), rejected + ranked.rejected,
+                         plans[names[0]] if names else None, ranked.source, ranked.regime, notes)
 
     def clear(self) -> None:
         self._requests.clear()
@@ -596,9 +601,8 @@ def warn_user(message: str) -> None:
 
 
 def has_quantized_variant(plan: PhysicalPlan) -> bool:
-    """Whether an 8-bit kernel runs ``plan`` (a Hopper kernel of a tile the 8-bit kernels have)."""
-    k = plan.kernel
-    return k.family is Family.HOPPER and quantized_variant(k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages) is not None
+    """Whether an 8-bit kernel runs ``plan`` (``catalog.quantized_kernel``)."""
+    return quantized_kernel(plan.kernel) is not None
 
 
 def native_candidates(request: Request, assume_native: bool = False) -> tuple[list[PhysicalPlan], str | None]:
