@@ -152,36 +152,51 @@ __device__ void producer_loop(const TesseraQuantizedParams& qp, const TmaMaps& t
 
 // ---- consumers ---------------------------------------------------------------------------------
 
+// The K scales of the thread's columns (lane_col + 8 j + {0, 1}) in one stage, from shared memory.
+template <int kBlocks>
+__device__ __forceinline__ void load_k_scales(uint32_t ks_stage, int lane_col, float2 (&ks)[kBlocks]) {
+  CUTE_UNROLL
+  for (int j = 0; j < kBlocks; ++j)
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+                 : "=f"(ks[j].x), "=f"(ks[j].y)
+                 : "r"(ks_stage + uint32_t(lane_col + 8 * j) * uint32_t(sizeof(float))));
+}
+
 // Online softmax of one tile's int32 scores `s` into the packed P operand `prob_w`: the scores are
 // s * k_scale (column; one FFMA with the magic number's share) * rf (row: q_scale * scale *
 // log2 e), masked where `act` says; returns in `alpha` the factor for what was accumulated under
 // the previous reference and in `tile_unit` the value of one P step (max_tile p / 255, relative to
 // the new reference; 0 for a row none of whose tile columns is active). The row sums add up the
 // rounded bytes (the weights P V applies).
-template <class T, class FragS, class FragP>
+template <class T, class FragS, class FragP, int kBlocks>
 __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const Task& t, int tile,
                                               const TileActivity& act, const FragS& s,
-                                              const float* ks_stage, int lane_col, const int (&row_of_half)[2],
+                                              const float2 (&ks)[kBlocks], int lane_col, const int (&row_of_half)[2],
                                               const float (&rf)[2], float (&row_max)[2], float (&row_sum)[2],
                                               float (&alpha)[2], float (&tile_unit)[2], FragP& prob_w) {
   constexpr int kVals = decltype(size(s))::value;
+  static_assert(kBlocks * 4 == kVals, "a K scale pair per n8 block");
   Tensor sf = make_tensor<float>(s.layout());
   CUTE_UNROLL
-  for (int j = 0; j < kVals / 4; ++j) {  // n8 block j: columns lane_col + 8 j + {0, 1}, both row halves
-    const float2 ks = *reinterpret_cast<const float2*>(ks_stage + lane_col + 8 * j);
-    const float ox = -kMagic * ks.x, oy = -kMagic * ks.y;
-    sf(4 * j + 0) = fmaf(magic_float(s(4 * j + 0)), ks.x, ox);
-    sf(4 * j + 1) = fmaf(magic_float(s(4 * j + 1)), ks.y, oy);
-    sf(4 * j + 2) = fmaf(magic_float(s(4 * j + 2)), ks.x, ox);
-    sf(4 * j + 3) = fmaf(magic_float(s(4 * j + 3)), ks.y, oy);
+  for (int j = 0; j < kBlocks; ++j) {  // n8 block j: columns lane_col + 8 j + {0, 1}, both row halves
+    const float ox = -kMagic * ks[j].x, oy = -kMagic * ks[j].y;
+    sf(4 * j + 0) = fmaf(magic_float(s(4 * j + 0)), ks[j].x, ox);
+    sf(4 * j + 1) = fmaf(magic_float(s(4 * j + 1)), ks[j].y, oy);
+    sf(4 * j + 2) = fmaf(magic_float(s(4 * j + 2)), ks[j].x, ox);
+    sf(4 * j + 3) = fmaf(magic_float(s(4 * j + 3)), ks[j].y, oy);
   }
   if (act.needs_mask) hopper::mask_scores<T>(p, act, tile_slots(p, t, tile), sf, lane_col, row_of_half);
   float base[2];
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
-    float m = -CUDART_INF_F;
+    constexpr int kChains = 4;  // the row half's maximum in independent chains (not one chain of kVals / 2)
+    float part[kChains];
     CUTE_UNROLL
-    for (int e = 2 * half; e < kVals; e += 4) m = fmaxf(m, fmaxf(sf(e), sf(e + 1)));
+    for (int c = 0; c < kChains; ++c) part[c] = fmaxf(sf(4 * c + 2 * half), sf(4 * c + 2 * half + 1));
+    CUTE_UNROLL
+    for (int j = kChains; j < kBlocks; ++j)
+      part[j % kChains] = fmaxf(part[j % kChains], fmaxf(sf(4 * j + 2 * half), sf(4 * j + 2 * half + 1)));
+    float m = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
     const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf[half];
@@ -234,14 +249,24 @@ __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, c
                                              const float (&row_max)[2], const float (&row_sum)[2],
                                              const CoordO& coords, const int (&row_of_half)[2]) {
   using Output = typename T::Output;
+  constexpr int kPairs = decltype(size(o))::value / 4;  // column pairs of the thread (each in both row halves)
   const TesseraAttnParams& p = qp.attn;
-  hopper::RowOutputs r = hopper::row_outputs<T>(p, t, row_max, row_sum, row_of_half);
   const int64_t bh = int64_t(t.b) * p.heads + t.h;
+  // The thread's channel factors, all loaded before any store (a store may alias them, so the
+  // compiler would otherwise wait on each pair's loads in turn).
+  const float* v_scale = qp.v_scale + bh * T::kHeadDim;
+  const float* v_mean = qp.v_mean + bh * T::kHeadDim;
+  float2 vs[kPairs], vm[kPairs];
+  CUTE_UNROLL
+  for (int j = 0; j < kPairs; ++j) {
+    const int col = int(get<1>(coords(4 * j)));
+    vs[j] = __ldg(reinterpret_cast<const float2*>(v_scale + col));
+    vm[j] = __ldg(reinterpret_cast<const float2*>(v_mean + col));
+  }
+  hopper::RowOutputs r = hopper::row_outputs<T>(p, t, row_max, row_sum, row_of_half);
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half)
     if (r.row[half] >= 0) r.lse[half] += __ldg(qp.lse_shift + bh * p.seq_q + r.row[half]);
-  const float* v_scale = qp.v_scale + bh * T::kHeadDim;
-  const float* v_mean = qp.v_mean + bh * T::kHeadDim;
   const bool split = p.num_splits > 1;
   const int64_t rows_per_split = int64_t(p.batch) * p.heads * p.seq_q;
   const bool paired = (reinterpret_cast<uintptr_t>(p.o) & 3u) == 0 &&
@@ -252,12 +277,11 @@ __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, c
     const int row = r.row[half];
     if (row < 0) continue;
     const int col = int(get<1>(coords(e)));
-    const float2 vs = __ldg(reinterpret_cast<const float2*>(v_scale + col));
-    const float2 vm = __ldg(reinterpret_cast<const float2*>(v_mean + col));
+    const float2 f = vs[e >> 2], m = vm[e >> 2];
     const float inv = r.inv[half];
     const bool keys = inv != 0.f;  // an empty row stays 0 (v_mean is added to weights summing to 1)
-    const float v0 = keys ? fmaf(fmaf(o(e) * inv, kOutputScale, -128.f), vs.x, vm.x) : 0.f;
-    const float v1 = keys ? fmaf(fmaf(o(e + 1) * inv, kOutputScale, -128.f), vs.y, vm.y) : 0.f;
+    const float v0 = keys ? fmaf(fmaf(o(e) * inv, kOutputScale, -128.f), f.x, m.x) : 0.f;
+    const float v1 = keys ? fmaf(fmaf(o(e + 1) * inv, kOutputScale, -128.f), f.y, m.y) : 0.f;
     if (split) {
       const int64_t part = int64_t(t.split) * rows_per_split + bh * p.seq_q + row;
       *reinterpret_cast<float2*>(p.o_partial + part * T::kHeadDim + col) = make_float2(v0, v1);
@@ -278,9 +302,15 @@ __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, c
 
 template <class T, class SmemQ, class SmemK, class SmemVt>
 __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK& sK, SmemVt& sVt,
-                              const float* ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
+                              uint32_t ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
   const TesseraAttnParams& p = qp.attn;
   const int ctid = threadIdx.x - T::kProducerThreads;
+  // One lane per warp arrives on a consumer release (the lane test kept in a register, not read
+  // again from the thread index on every release).
+  const bool lane0 = cute::elect_one_sync();
+  auto release = [lane0](uint64_t* barrier) {
+    if (lane0) Barrier::arrive(barrier);
+  };
   typename T::MmaQK mma_qk;
   typename T::MmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(ctid);
@@ -302,6 +332,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
   Tensor prob = make_tensor<uint8_t>(Layout<Shape<Shape<_4, _2, _2>, _1, Int<T::kTileKV / 32>>>{});
   Tensor prob_w = recast<uint32_t>(prob);
   static_assert(decltype(size(prob_w))::value * 4 == decltype(size(s))::value, "a byte of P per score value");
+  constexpr int kBlocks = decltype(size(s))::value / 4;  // n8 blocks of the thread's score columns
 
   PipeState<T::kStages> read_k, read_v;
   PipeState<T::kQStages> read_q;
@@ -326,15 +357,19 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       Barrier::wait(&bar.q_full[qs], read_q.phase);
       float alpha[2], unit[2];
       TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
-      auto scores = [&](int i) {  // S_i landed: K scales read, K released, softmax into P
+      float2 ks[kBlocks];
+      auto k_scales = [&]() {  // before the wait on S_i: its K stage has landed (issue_scores waited)
+        load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), lane_col, ks);
+      };
+      auto scores = [&](int i) {  // S_i landed: K released, softmax into P
         warpgroup_fence_operand(s);
-        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks_smem + read_k.stage * T::kTileKV, lane_col,
-                         row_of_half, rf, row_max, row_sum, alpha, unit, prob_w);
+        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks, lane_col, row_of_half, rf, row_max, row_sum, alpha,
+                         unit, prob_w);
         unit[0] *= kUnitScale;
         unit[1] *= kUnitScale;
-        hopper::release(&bar.k_empty[read_k.stage]);
+        release(&bar.k_empty[read_k.stage]);
         read_k.advance();
-        if (i == n - 1) hopper::release(&bar.q_empty[qs]);
+        if (i == n - 1) release(&bar.q_empty[qs]);
       };
       auto issue_scores = [&]() {
         Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);
@@ -347,13 +382,14 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       auto pv_done = [&]() {
         warpgroup_fence_operand(oi);
         warpgroup_fence_operand(prob);
-        hopper::release(&bar.v_empty[read_v.stage]);
+        release(&bar.v_empty[read_v.stage]);
         read_v.advance();
       };
 
       turns.wait_turn();
       issue_scores();
       turns.pass_turn();
+      k_scales();
       warpgroup_wait<0>();
       scores(0);
       // P_{i-1} V_{i-1} is issued before S_i: tile i's softmax rewrites P's registers. Its int32
@@ -368,6 +404,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
         warpgroup_wait<1>();  // O_{i-1} done (committed first), S_i in flight
         accumulate(o, oi, unit);
         pv_done();
+        k_scales();
         warpgroup_wait<0>();
         scores(i);
         rescale(o, alpha);
@@ -401,7 +438,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     producer_loop<T>(qp, tma, base, bar);
   } else {
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    consumer_loop<T>(qp, sQ, sK, sVt, reinterpret_cast<const float*>(base + T::kSmemKScaleOffset), bar);
+    consumer_loop<T>(qp, sQ, sK, sVt, uint32_t(__cvta_generic_to_shared(base + T::kSmemKScaleOffset)), bar);
   }
 }
 
