@@ -65,6 +65,7 @@ from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, WAN_DEN
 
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
+from tessera_diffusers.plans import INPUT_PRECISION
 from tessera_diffusers.sparsifiers import LatentGrid, spade_64, ssta_384, ssta_tuned, tile_layout
 
 FULL_STEPS = 50
@@ -479,7 +480,7 @@ def install(system: str, model, args, device: torch.device):
         model.set_attn_processor(processor)
         return processor, restore
     if kind in ("one-liner", "one-liner-int8"):
-        precision = "int8" if kind == "one-liner-int8" else "input"
+        precision = "int8" if kind == "one-liner-int8" else INPUT_PRECISION
         processor = TesseraProcessor(time_attention=True, precision=precision)
         model.set_attn_processor(processor)
         return processor, restore

@@ -31,6 +31,7 @@ from .cli_common import (
     run_command,
 )
 from .errors import CatalogError, InvalidArgumentError, PlanTableError
+from .plans import INPUT_PRECISION, PRECISIONS
 
 # The example mask of `tessera explain` is built in memory (a float score per block first).
 MAX_EXPLAIN_MASK_BLOCKS = 1 << 28
@@ -60,7 +61,7 @@ def add_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=positive_int, default=24, help="attention heads (default 24)")
     p.add_argument("--head-dim", type=head_dim, default=128, help="head dimension (default 128)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    p.add_argument("--precision", default="input", choices=["input", "int8"],
+    p.add_argument("--precision", default=INPUT_PRECISION, choices=PRECISIONS,
                    help="input: computed in --dtype (default); int8: the 8-bit kernels (head dim 128, sm90)")
     p.add_argument("--density", type=density, default=0.1,
                    help="share of active blocks of the example mask, in (0, 1] (default 0.1)")
