@@ -37,7 +37,9 @@ class Backend:
     """Base class; see the module docstring for the protocol."""
 
     name: str = "backend"
-    kind: str = "sparse"  # "dense" (ignores the mask: timed once per shape), "sparse", "tessera"
+    kind: str = "sparse"  # "dense" (ignores the mask: timed once per shape), "sparse", "tessera", "quantized"
+    # A "quantized" backend outside the 8-bit budget is invalid (not timed) unless this is False (peers).
+    budget_gate: bool = True
 
     def unavailable(self) -> str | None:
         return None

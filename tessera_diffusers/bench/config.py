@@ -88,6 +88,8 @@ BASELINE_NAMES: tuple[str, ...] = (
     "flashinfer-var-fa3",
     "vsa",
     "flex-block-attn",
+    "spargeattn",
+    "spargeattn-kernel",
     "reference",
 )
 TESSERA_NAMES: tuple[str, ...] = ("tessera", "tessera-plans", "tessera-int8", "tessera-int8-kernel")
@@ -99,16 +101,17 @@ THUNDERKITTENS_NAMES: tuple[str, ...] = ("vsa", "flex-block-attn")
 
 def default_backends(mode: str, device_type: str) -> tuple[str, ...]:
     """Backends a run measures unless told otherwise: on CUDA, bench mode = Tessera's selected plan
-    beside every baseline (the ThunderKittens peers only where installed); kernels mode = every
+    beside every baseline (the ThunderKittens peers and SpargeAttn only where installed); kernels mode = every
     eligible catalog plan beside dense SDPA and FlexAttention (add FlashInfer or the peers with
     ``--backends``); on a CPU, the oracle and the executor."""
     if device_type != "cuda":
         return ("reference", "tessera", "tessera-plans")
     if mode == "kernels":
         return ("sdpa-cudnn", "sdpa-fa2", "flex", "tessera", "tessera-plans")
+    from .sparge_backends import installed
     from .thunderkittens_backends import installed_peers
 
-    return ("sdpa-cudnn", "sdpa-fa2", "flex", "tessera") + FLASHINFER_NAMES + installed_peers()
+    return ("sdpa-cudnn", "sdpa-fa2", "flex", "tessera") + FLASHINFER_NAMES + installed_peers() + installed()
 
 
 @dataclass(frozen=True)

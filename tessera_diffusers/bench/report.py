@@ -66,6 +66,7 @@ def environment(device: torch.device) -> dict:
         "flashinfer": flashinfer_version(),
         "fastvideo_kernel": package_version("fastvideo-kernel"),
         "flex_block_attn": package_version("flex_block_attn"),
+        "spas_sage_attn": package_version("spas_sage_attn"),
         "tessera_diffusers": package_version("tessera-diffusers"),
         "git_commit": source_commit(Path(__file__).resolve().parents[2]),
         "device": str(device),
@@ -170,8 +171,9 @@ def kernel_study(summary: dict, size: str) -> list[str]:
 
 
 def peer_versions(env: dict) -> str:
-    """``, fastvideo-kernel (VSA) X, flex-block-attn Y`` for the peers installed (nothing otherwise)."""
-    peers = (("fastvideo_kernel", "fastvideo-kernel (VSA)"), ("flex_block_attn", "flex-block-attn"))
+    """``, fastvideo-kernel (VSA) X, flex-block-attn Y, ...`` for the peers installed (nothing otherwise)."""
+    peers = (("fastvideo_kernel", "fastvideo-kernel (VSA)"), ("flex_block_attn", "flex-block-attn"),
+             ("spas_sage_attn", "spas_sage_attn (SpargeAttn)"))
     return "".join(f", {label} {env[key]}" for key, label in peers if env.get(key))
 
 
