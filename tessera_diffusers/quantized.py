@@ -128,8 +128,10 @@ def rounded_probabilities(p: torch.Tensor, pv: str, kv_tile: int) -> torch.Tenso
     pad = -keys % kv_tile
     tiles = torch.nn.functional.pad(p, (0, pad)).view(rows, -1, kv_tile)
     top = tiles.amax(-1, keepdim=True)
-    unit = torch.where(top > 0, top / UINT8_MAX, torch.ones_like(top))
-    return (torch.round(tiles / unit) * unit).view(rows, -1)[:, :keys]
+    # The bytes relative to the tile's maximum, then one step's value: a maximum so small that a
+    # step underflows (top / 255 == 0) gives 0 like the kernel's step, never 0 / 0.
+    steps = torch.round(UINT8_MAX * tiles / torch.where(top > 0, top, torch.ones_like(top)))
+    return (steps * (top / UINT8_MAX)).view(rows, -1)[:, :keys]
 
 
 def run(x: QuantizedInputs, mask: LogicalMask, kv_tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,6 +95,13 @@ def test_probabilities_are_rounded_per_kv_tile():
     assert float(quantized.rounded_probabilities(p, "int8", 6)[0, 4]) == 0.0  # a row-wide step loses 0.001
 
 
+def test_a_tile_whose_step_underflows_rounds_to_zero_not_nan():
+    # exp of scores ~100 below the row's maximum: the tile's maximum is a denormal and a 255th of it is 0.
+    p = torch.tensor([[1.0, 0.25, 1e-44, 5e-45]])
+    tiled = quantized.rounded_probabilities(p, "int8", 2)
+    assert torch.isfinite(tiled).all() and float(tiled[0, 2:].abs().max()) <= 1e-44
+
+
 @pytest.mark.parametrize("bad, argument", [
     ({"pv": "int4"}, "pv"),
     ({"kv_tile": 0}, "kv_tile"),
