@@ -325,13 +325,13 @@ class Selector:
         if self.reuse_regime and entry.quantized_choice is not None:
             self.regime_reuses += 1
             return entry.quantized_choice
-        entry.quantized_choice = self._quantized_selection(request, state, warn)
+        entry.quantized_choice = self._quantized_selection(request, base, entry, state, warn)
         return entry.quantized_choice
 
-    def _quantized_selection(self, request: Request, state: MaskState, warn: Warn | None) -> Selection:
-        base = dataclasses.replace(request, precision=INPUT_PRECISION)
+    def _quantized_selection(self, request: Request, base: Request, entry: RequestEntry, state: MaskState,
+                             warn: Warn | None) -> Selection:
+        """The 8-bit decision from the 16-bit request ``base`` and its ``entry``."""
         ranked = self.rank(base, state, warn)
-        entry = self._requests.get(base) or self._entry(base, warn)
         estimated = self._cost_model(entry, base, state)
         plans = {p.name: p for p in entry.eligible or ()}
         position = {name: i for i, (name, _) in enumerate(ranked.ranking)}
