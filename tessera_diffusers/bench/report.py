@@ -132,6 +132,20 @@ def metric_table(families: dict, size: str, metric: str, digits: int = 3) -> lis
     return table(["family", "cases", "density %"] + cols, rows)
 
 
+def quantized_table(records: list[dict]) -> list[str]:
+    """Every 8-bit record's agreement with the fp32 oracle (its checked heads), within the budget
+    or not (a peer outside it is still timed); no lines without 8-bit records."""
+    rows = [[r["case"], r["backend"], f"{r['check']['cosine']:.5f}", f"{r['check']['relative_l2']:.4f}",
+             "yes" if r["check"]["ok"] else "no"]
+            for r in records if r.get("kind") == "quantized" and "cosine" in r.get("check", {})]
+    if not rows:
+        return []
+    from ..quantized import MAX_RELATIVE_L2, MIN_COSINE
+
+    title = f"## 8-bit agreement with the fp32 oracle (budget: cosine >= {MIN_COSINE}, relative L2 <= {MAX_RELATIVE_L2})"
+    return [title, ""] + table(["case", "backend", "cosine", "relative L2", "within budget"], rows) + [""]
+
+
 def speedup_table(speedups: dict, size: str) -> list[str]:
     baselines = sorted(b for b in speedups if size in speedups[b])
     families = family_sort(sorted({f for b in baselines for f in speedups[b][size]["families"]}))
@@ -245,6 +259,7 @@ def markdown(env: dict, config: BenchConfig, records: list[dict], summary: dict,
         study = kernel_study(summary, size)
         if study:
             lines += ["### Kernel study: best single Tessera plan per family", ""] + study + [""]
+    lines += quantized_table(records)
     regret = summary["regret"]
     if regret["cases"]:
         stats = (f"cases {len(regret['cases'])}, median {fmt(regret['median'])}, P90 {fmt(regret['p90'])}, "

@@ -166,3 +166,22 @@ def test_harness_times_a_peer_outside_the_budget_and_refuses_its_own(gate, tmp_p
         assert held is None and record["status"] == "invalid" and "outside the 8-bit budget" in record["reason"]
     else:
         assert held is not None and "timed as a peer" in record["notes"][0]
+
+
+def test_the_report_lists_every_8bit_records_agreement() -> None:
+    from tessera_diffusers.bench.report import quantized_table
+
+    records = [
+        {"case": "c1", "backend": "tessera-int8", "kind": "quantized",
+         "check": {"cosine": 0.99987, "relative_l2": 0.0163, "ok": True}},
+        {"case": "c1", "backend": "spargeattn", "kind": "quantized",
+         "check": {"cosine": 0.99924, "relative_l2": 0.0389, "ok": False}},
+        {"case": "c1", "backend": "tessera", "kind": "tessera", "check": {"ok": True, "max_abs_error": 1e-3}},
+        {"case": "c2", "backend": "spargeattn", "kind": "quantized", "status": "skipped"},
+    ]
+    lines = quantized_table(records)
+    assert lines[0].startswith("## 8-bit agreement") and "relative L2 <= 0.03" in lines[0]
+    assert "| c1 | tessera-int8 | 0.99987 | 0.0163 | yes |" in lines
+    assert "| c1 | spargeattn | 0.99924 | 0.0389 | no |" in lines
+    assert len([x for x in lines if x.startswith("| c1")]) == 2
+    assert quantized_table(records[2:]) == []
