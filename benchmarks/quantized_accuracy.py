@@ -85,14 +85,14 @@ def plot(records: list[dict], path: Path) -> None:
         return
     families = sorted({r["family"] for r in records})
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(families)), 4))
-    for offset, pv, colour in ((-0.15, "int8", "tab:blue"), (0.15, "fp8", "tab:orange")):
+    for offset, pv, colour in ((-0.2, "int8", "tab:blue"), (0.0, "fp8", "tab:orange"), (0.2, "bf16", "tab:green")):
         for i, family in enumerate(families):
             values = [r[pv]["relative_l2"] for r in records if r["family"] == family]
             ax.scatter([i + offset] * len(values), values, s=14, color=colour, label=pv if i == 0 else None)
     ax.axhline(quantized.MAX_RELATIVE_L2, color="black", linestyle="--", linewidth=1, label="budget")
     ax.set_xticks(range(len(families)), families, rotation=30)
     ax.set_ylabel("relative L2 error vs fp32")
-    ax.set_title("8-bit P V formats on the corpus's masks (standard-normal q, k, v)")
+    ax.set_title("P V formats after INT8 Q K^T on the corpus's masks (standard-normal q, k, v)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -16,9 +16,11 @@ Hopper's 8-bit tensor cores (INT8 and FP8) run at twice the bf16 rate. Per ``(ba
   kernel, ``max_tile p = exp(m_tile - m_running)`` comes from the online softmax's own tile maximum,
   so the rounding of P does not depend on the order the tiles run in.
 - ``pv="fp8"``, for comparison: P times 448 and V per channel in FP8 e4m3 (3 mantissa bits).
+- ``pv="bf16"``, for comparison: P and V in bf16 (INT8 Q K^T only; a P V product the tensor
+  cores accumulate in fp32 at the 16-bit rate).
 
 The row sums add up the rounded probabilities for int8 (the weights the product applies: they sum
-to 1, so V's mean comes back exactly), the probabilities before rounding for fp8. Measured on
+to 1, so V's mean comes back exactly), the probabilities before rounding for fp8 and bf16. Measured on
 random inputs (``docs/results.md``), INT8 P V errs about a third as much as FP8 P V. ``attention``
 is the twin: the same arithmetic with the softmax in one pass, its KV tiles ``kv_tile`` consecutive
 keys of the key blocks a chunk of query blocks needs (a kernel's are its plan's KV tiles). Empty
@@ -41,7 +43,7 @@ from .validation import check_inputs
 INT8_MAX = 127.0
 UINT8_MAX = 255.0
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-PV_FORMATS = ("int8", "fp8")
+PV_FORMATS = ("int8", "fp8", "bf16")
 
 # What an 8-bit result should meet against the fp32 oracle, over a whole request.
 MIN_COSINE = 0.999
@@ -57,15 +59,15 @@ class QuantizedInputs:
     k: torch.Tensor  # [B, Skv, H, D] int8, of k - k_mean
     k_scale: torch.Tensor  # [B, Skv, H] fp32
     k_mean: torch.Tensor  # [B, H, D] fp32 (zeros without smoothing)
-    v: torch.Tensor  # [B, Skv, H, D] int8 of v - v_mean, or float8_e4m3fn of v
+    v: torch.Tensor  # [B, Skv, H, D] int8 of v - v_mean, float8_e4m3fn of v, or bf16 v
     v_scale: torch.Tensor  # [B, H, D] fp32
-    v_mean: torch.Tensor  # [B, H, D] fp32 (zeros for fp8)
+    v_mean: torch.Tensor  # [B, H, D] fp32 (zeros for fp8 and bf16)
     lse_shift: torch.Tensor  # [B, H, Sq] fp32: scale * q_i . k_mean, added back to the log-sum-exp
     scale: float
 
     @property
     def pv(self) -> str:
-        return "int8" if self.v.dtype == torch.int8 else "fp8"
+        return {torch.int8: "int8", torch.bfloat16: "bf16"}.get(self.v.dtype, "fp8")
 
 
 def per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +98,13 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv
         centred = vf - v_mean.unsqueeze(1)
         v_scale = per_channel(centred, INT8_MAX)
         v8 = torch.round(centred / v_scale.unsqueeze(1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    else:
+    elif pv == "fp8":
         v_mean = torch.zeros_like(vf[:, 0])
         v_scale = per_channel(vf, E4M3_MAX)
         v8 = (vf / v_scale.unsqueeze(1)).to(torch.float8_e4m3fn)
+    else:
+        v_mean, v_scale = torch.zeros_like(vf[:, 0]), torch.ones_like(vf[:, 0])
+        v8 = vf.to(torch.bfloat16)
     lse_shift = torch.einsum("bshd,bhd->bhs", qf, k_mean) * scale
     return QuantizedInputs(q8, q_scale, k8, k_scale, k_mean, v8, v_scale, v_mean, lse_shift, scale)
 
@@ -124,6 +129,8 @@ def rounded_probabilities(p: torch.Tensor, pv: str, kv_tile: int) -> torch.Tenso
     int8, ``round(255 * p / tile max) * tile max / 255`` per row and tile of ``kv_tile`` keys."""
     if pv == "fp8":
         return (p * E4M3_MAX).to(torch.float8_e4m3fn).float() / E4M3_MAX
+    if pv == "bf16":
+        return p.to(torch.bfloat16).float()
     rows, keys = p.shape
     pad = -keys % kv_tile
     tiles = torch.nn.functional.pad(p, (0, pad)).view(rows, -1, kv_tile)
