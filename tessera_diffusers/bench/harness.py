@@ -71,8 +71,8 @@ def make_backend(name: str) -> Backend:
     raise ValueError(f"unknown backend {name!r}")  # BenchConfig validated the names already
 
 
-# Dense baselines first (they are the yardstick), FlashInfer, the ThunderKittens peers and SpargeAttn last (a
-# CUDA error there would poison the context for everything measured after it).
+# Dense baselines first (they are the yardstick); FlashInfer, the ThunderKittens peers and SpargeAttn
+# last (a CUDA error there would poison the context for everything measured after it).
 ORDER = ("sdpa-cudnn", "sdpa-fa2", "tessera", "tessera-int8", "tessera-int8-kernel", "tessera-plans", "flex", "reference")
 
 
