@@ -43,7 +43,7 @@ def evaluate(config: ProfileConfig, device: torch.device, log=print) -> list[dic
         oracle = reference.attention(q, k, v, mask, out_dtype=torch.float32)
         record = {"case": f"{size}:{case.name}", "family": case.family, "source": case.source,
                   "density": mask.density(), "heads": case.heads, "seq": mask.seq_len_q,
-                  "bf16": vars(quantized.agreement(oracle.to(torch.bfloat16), oracle))}
+                  "bf16_rounding": vars(quantized.agreement(oracle.to(torch.bfloat16), oracle))}
         for pv in FORMATS:
             record[pv] = vars(quantized.agreement(quantized.attention(q, k, v, mask, pv=pv), oracle))
         records.append(record)
@@ -69,7 +69,7 @@ def markdown(records: list[dict]) -> list[str]:
             rel = [r[pv]["relative_l2"] for r in rows]
             ok = sum(c >= quantized.MIN_COSINE and e <= quantized.MAX_RELATIVE_L2 for c, e in zip(cos, rel))
             cells += [f"{min(cos):.5f}", f"{statistics.median(rel):.4f} / {max(rel):.4f}", f"{ok}/{len(rows)}"]
-        cells.append(f"{max(r['bf16']['relative_l2'] for r in rows):.4f}")
+        cells.append(f"{max(r['bf16_rounding']['relative_l2'] for r in rows):.4f}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
