@@ -304,7 +304,7 @@ class Selector:
         """The full decision for ``explain``: every ranked plan checked, every rejection kept (for an
         8-bit request, ``quantized``'s decision without reuse)."""
         if request.precision != INPUT_PRECISION:
-            return self._quantized_selection(request, state, warn)
+            return self._quantized_selection(request, *self._base_entry(request, warn), state, warn)
         entry = self._requests.get(request) or self._entry(request, warn)
         if entry.regimes:
             index = entry.tree.regime_of(state.host_stat_values) if entry.stats_needed else 0
@@ -320,13 +320,17 @@ class Selector:
         and its best-ranked eligible plan whose kernel has an 8-bit variant is chosen; plans the
         ranking does not name follow in the cost model's order. ``chosen`` None: no such plan. With
         ``reuse_regime``, the request's previous 8-bit decision serves again (no statistics read)."""
-        base = dataclasses.replace(request, precision=INPUT_PRECISION)
-        entry = self._requests.get(base) or self._entry(base, warn)
+        base, entry = self._base_entry(request, warn)
         if self.reuse_regime and entry.quantized_choice is not None:
             self.regime_reuses += 1
             return entry.quantized_choice
         entry.quantized_choice = self._quantized_selection(request, base, entry, state, warn)
         return entry.quantized_choice
+
+    def _base_entry(self, request: Request, warn: Warn | None) -> tuple[Request, RequestEntry]:
+        """The 16-bit request an 8-bit ``request`` ranks, and its entry."""
+        base = dataclasses.replace(request, precision=INPUT_PRECISION)
+        return base, self._requests.get(base) or self._entry(base, warn)
 
     def _quantized_selection(self, request: Request, base: Request, entry: RequestEntry, state: MaskState,
                              warn: Warn | None) -> Selection:
