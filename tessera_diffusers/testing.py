@@ -69,6 +69,17 @@ def random_mask(
     return LogicalMask(blocks.to(device), block_q, block_kv, seq_q, seq_kv)
 
 
+def without_empty_rows(mask: LogicalMask) -> LogicalMask:
+    """``mask`` with one more active block in every query-block row (``blocks [.., nQ, nKV]``: row i
+    also gets key block ``i * nKV // nQ``), so that no row is empty: for peers that cannot express
+    rows without keys."""
+    blocks = mask.blocks.clone()
+    n_q, n_kv = blocks.shape[-2:]
+    rows = torch.arange(n_q, device=blocks.device)
+    blocks[..., rows, rows * n_kv // n_q] = True
+    return LogicalMask(blocks, mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv)
+
+
 def interleaved_mask(batch: int, heads: int, seq_q: int, seq_kv: int, block_q: int, block_kv: int, seed: int = 0,
                      device: torch.device | str = "cpu") -> LogicalMask:
     """Query block i sees the key blocks of pattern i % 3 (plus a few random ones): consecutive

@@ -11,20 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera_diffusers import LogicalMask
 from tessera_diffusers.bench import sparge_backends as sp
 from tessera_diffusers.bench.problem import OracleCheck, Problem, make_inputs
-from tessera_diffusers.testing import random_mask
+from tessera_diffusers.testing import random_mask, without_empty_rows
 
 pytestmark = pytest.mark.gpu
-
-
-def full_rows(mask: LogicalMask) -> LogicalMask:
-    blocks = mask.blocks.clone()
-    n_q, n_kv = blocks.shape[-2:]
-    rows = torch.arange(n_q, device=blocks.device)
-    blocks[..., rows, rows * n_kv // n_q] = True
-    return LogicalMask(blocks, mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv)
 
 
 @pytest.mark.parametrize("kernel_only", [False, True])
@@ -33,7 +24,7 @@ def test_sparge_matches_the_oracle_on_its_geometries(kernel_only, block_q, block
     backend = sp.SpargeBackend(kernel_only=kernel_only)
     if backend.unavailable():
         pytest.skip(backend.unavailable())
-    mask = full_rows(random_mask(1, 4, seq, seq, block_q, block_kv, density=0.2, seed=seq, device="cuda"))
+    mask = without_empty_rows(random_mask(1, 4, seq, seq, block_q, block_kv, density=0.2, seed=seq, device="cuda"))
     problem = Problem("p", "gpu", mask.geometry_name, "random", mask, 2, 4, 128, torch.bfloat16)
     assert backend.unsupported(problem) is None
     inputs = make_inputs(problem, 1, seed=2)

@@ -15,7 +15,7 @@ from tessera_diffusers import LogicalMask
 from tessera_diffusers.bench import thunderkittens_backends as tk
 from tessera_diffusers.bench.harness import BASELINE_SLACK
 from tessera_diffusers.bench.problem import OracleCheck, Problem, make_inputs
-from tessera_diffusers.testing import random_mask
+from tessera_diffusers.testing import random_mask, without_empty_rows
 
 
 def backend_or_skip(cls):
@@ -28,14 +28,6 @@ def backend_or_skip(cls):
 
 def problem_of(mask: LogicalMask, batch: int, heads: int, head_dim: int) -> Problem:
     return Problem("p", "gpu", mask.geometry_name, "random", mask, batch, heads, head_dim, torch.bfloat16)
-
-
-def without_empty_rows(mask: LogicalMask) -> LogicalMask:
-    blocks = mask.blocks.clone()
-    n_q, n_kv = blocks.shape[-2:]
-    rows = torch.arange(n_q, device=blocks.device)
-    blocks[..., rows, rows * n_kv // n_q] = True
-    return LogicalMask(blocks, mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv)
 
 
 def check(backend, problem: Problem) -> None:

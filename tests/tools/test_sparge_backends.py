@@ -17,20 +17,12 @@ from tessera_diffusers.bench import sparge_backends as sp
 from tessera_diffusers.bench.backends import Backend
 from tessera_diffusers.bench.config import BACKEND_NAMES, BenchConfig, default_backends
 from tessera_diffusers.bench.problem import OracleCheck, Problem, make_inputs
-from tessera_diffusers.testing import random_mask
+from tessera_diffusers.testing import random_mask, without_empty_rows
 
 
 def problem_of(mask: LogicalMask, batch: int = 1, heads: int | None = None, head_dim: int = 64,
                dtype: torch.dtype = torch.bfloat16) -> Problem:
     return Problem("p", "test", mask.geometry_name, "random", mask, batch, heads or mask.heads, head_dim, dtype)
-
-
-def full_rows(mask: LogicalMask) -> LogicalMask:
-    blocks = mask.blocks.clone()
-    n_q, n_kv = blocks.shape[-2:]
-    rows = torch.arange(n_q)
-    blocks[..., rows, rows * n_kv // n_q] = True
-    return LogicalMask(blocks, mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv)
 
 
 def token_mask(blocks: torch.Tensor, block_q: int, block_kv: int, seq_q: int, seq_kv: int) -> torch.Tensor:
@@ -49,12 +41,12 @@ def test_block_map_is_the_same_token_set(block_q, block_kv, seq) -> None:
 
 
 def test_what_it_refuses() -> None:
-    ok = full_rows(random_mask(1, 2, 512, 512, 128, 128, density=0.3, seed=1))
+    ok = without_empty_rows(random_mask(1, 2, 512, 512, 128, 128, density=0.3, seed=1))
     assert sp.sparge_unsupported(problem_of(ok), require_cuda=False) is None
     assert sp.sparge_unsupported(problem_of(ok)) == "needs CUDA tensors"
     assert "bf16" in sp.sparge_unsupported(problem_of(ok, dtype=torch.float16), require_cuda=False)
     assert "head_dim 64 and 128 only, not 96" in sp.sparge_unsupported(problem_of(ok, head_dim=96), require_cuda=False)
-    q64k64 = full_rows(random_mask(1, 2, 512, 512, 64, 64, density=0.3, seed=2))
+    q64k64 = without_empty_rows(random_mask(1, 2, 512, 512, 64, 64, density=0.3, seed=2))
     assert "64x128 blocks: Q64K64" in sp.sparge_unsupported(problem_of(q64k64), require_cuda=False)
     blocks = ok.blocks.clone()
     blocks[:, 1, 2] = False
@@ -109,7 +101,7 @@ def test_adapters_end_to_end_with_emulated_functions(kernel_only, monkeypatch) -
     monkeypatch.setattr(torch, "float8_e4m3fn", torch.float32)  # the emulation's V buffer holds fp32
     backend = sp.SpargeBackend(kernel_only=kernel_only)
     backend._parts = emulated_parts()
-    mask = full_rows(random_mask(1, 2, 640, 640, 128, 256, density=0.35, seed=3))
+    mask = without_empty_rows(random_mask(1, 2, 640, 640, 128, 256, density=0.35, seed=3))
     problem = problem_of(mask, batch=2, head_dim=64, dtype=torch.float32)
     q, k, v = make_inputs(problem, 1, seed=4)[0]
     out = backend.to_bshd(backend.request(problem, q, k, v), problem)
@@ -154,7 +146,7 @@ class NoisyQuantized(Backend):
 
 @pytest.mark.parametrize("gate", [True, False])
 def test_harness_times_a_peer_outside_the_budget_and_refuses_its_own(gate, tmp_path: Path) -> None:
-    mask = full_rows(random_mask(1, 2, 256, 256, 64, 64, density=0.5, seed=5))
+    mask = without_empty_rows(random_mask(1, 2, 256, 256, 64, 64, density=0.5, seed=5))
     problem = problem_of(mask, head_dim=32, dtype=torch.float32)
     inputs = make_inputs(problem, 1, seed=6)
     config = BenchConfig(out_dir=tmp_path, device="cpu", backends=("reference",), warmup=0, reps=1, input_sets=1,

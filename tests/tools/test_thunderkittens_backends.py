@@ -18,22 +18,13 @@ from tessera_diffusers.bench.config import BACKEND_NAMES, BenchConfig, default_b
 from tessera_diffusers.bench.harness import make_backend, run_benchmark
 from tessera_diffusers.bench.problem import Problem
 from tessera_diffusers.bench.report import environment, header_lines, peer_versions
-from tessera_diffusers.testing import random_mask
+from tessera_diffusers.testing import random_mask, without_empty_rows
 
 
 def problem_of(mask: LogicalMask, batch: int = 1, heads: int | None = None, head_dim: int = 128,
                dtype: torch.dtype = torch.bfloat16) -> Problem:
     heads = heads or mask.heads
     return Problem("p", "test", mask.geometry_name, "random", mask, batch, heads, head_dim, dtype)
-
-
-def without_empty_rows(mask: LogicalMask) -> LogicalMask:
-    """``mask`` with one more block in every query-block row (so that no row is empty)."""
-    blocks = mask.blocks.clone()
-    n_q, n_kv = blocks.shape[-2:]
-    rows = torch.arange(n_q)
-    blocks[..., rows, rows * n_kv // n_q] = True
-    return LogicalMask(blocks, mask.block_q, mask.block_kv, mask.seq_len_q, mask.seq_len_kv)
 
 
 def token_mask(mask: LogicalMask, batch: int, heads: int) -> torch.Tensor:
