@@ -68,6 +68,16 @@ class Backend:
         return {}
 
 
+def sm90_error(why: str) -> str | None:
+    """Why a peer's sm90-only kernel cannot run here (``why``: what ties it to sm90), or None."""
+    if not torch.cuda.is_available():
+        return "needs CUDA (an sm90 Hopper GPU)"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"{why}; this GPU is sm{major}{minor}"
+    return None
+
+
 def to_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
     """``(B, S, H, D)`` -> ``(B, H, S, D)`` views (no copy), the layout SDPA and FlexAttention take."""
     return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))

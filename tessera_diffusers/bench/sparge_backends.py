@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..mask import LogicalMask
-from .backends import Backend, Inputs
+from .backends import Backend, Inputs, sm90_error
 from .problem import Problem
 
 SPARGE_COMMIT = "bfd980b"
@@ -110,15 +110,6 @@ def import_sparge() -> tuple[dict[str, Any] | None, str | None]:
     return parts, None
 
 
-def sm90_error() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs CUDA (an sm90 Hopper GPU)"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"this adapter runs SpargeAttn's sm90 kernel; this GPU is sm{major}{minor}"
-    return None
-
-
 class SpargeBackend(Backend):
     """SpargeAttn on a caller's block mask: the complete call, or (``kernel_only``) its sm90 kernel."""
 
@@ -130,7 +121,7 @@ class SpargeBackend(Backend):
         self.name = SPARGE_KERNEL_NAME if kernel_only else SPARGE_NAME
         self._parts, self._error = import_sparge()
         if self._error is None:
-            self._error = sm90_error()
+            self._error = sm90_error("this adapter runs SpargeAttn's sm90 kernel")
 
     def unavailable(self) -> str | None:
         return self._error

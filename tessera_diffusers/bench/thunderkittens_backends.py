@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from ..mask import LogicalMask
-from .backends import Backend, Inputs
+from .backends import Backend, Inputs, sm90_error
 from .problem import Problem
 
 VSA_BLOCK = 64
@@ -96,12 +96,7 @@ def distribution_version(name: str) -> str | None:
 
 def hopper_error() -> str | None:
     """Why the sm_90a kernels cannot run here, or None."""
-    if not torch.cuda.is_available():
-        return "needs CUDA (an sm90 Hopper GPU)"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"its ThunderKittens kernel is built for sm_90a only; this GPU is sm{major}{minor}"
-    return None
+    return sm90_error("its ThunderKittens kernel is built for sm_90a only")
 
 
 def fold_heads(t: torch.Tensor, padded_len: int) -> torch.Tensor:
