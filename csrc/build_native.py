@@ -135,9 +135,10 @@ CUTLASS_TYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 
 def traits_of(row) -> str:
     """The C++ traits type of one kernel row."""
-    if row.family == "hopper8":
+    families = load_kernel_table().QUANTIZED_FAMILIES
+    if row.family in families.values():  # kPv16: the family with a 16-bit P V
         return (f"tessera::quantized::Traits<{row.tile_q}, {row.tile_kv}, {row.head_dim}, {row.stages}, "
-                f"{CUTLASS_TYPES[row.dtype]}>")
+                f"{CUTLASS_TYPES[row.dtype]}, {'true' if row.family == families['bf16'] else 'false'}>")
     if row.family == "hopper":
         return (f"tessera::hopper::Traits<{row.tile_q}, {row.tile_kv}, {row.head_dim}, {row.stages}, "
                 f"{CUTLASS_TYPES[row.dtype]}>")
@@ -146,7 +147,7 @@ def traits_of(row) -> str:
 
 
 def instantiation_source(row) -> str:
-    if row.family == "hopper8":
+    if row.family in load_kernel_table().QUANTIZED_FAMILIES.values():
         return quantized_instantiation_source(row)
     header = "tessera/hopper/attention.cuh" if row.family == "hopper" else "tessera/portable/attention.cuh"
     if row.family == "hopper":  # encodes its TMA descriptors before the launch

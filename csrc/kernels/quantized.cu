@@ -45,8 +45,9 @@ bool valid_attention(const TesseraQuantizedParams& qp, const tessera::quantized:
   const TesseraAttnParams& p = qp.attn;
   if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.o == nullptr || p.tile_counts == nullptr ||
       p.tile_slots == nullptr || p.tile_member == nullptr || p.q_order == nullptr || qp.q_scale == nullptr ||
-      qp.k_scale == nullptr || qp.v_scale == nullptr || qp.v_mean == nullptr || qp.lse_shift == nullptr)
+      qp.k_scale == nullptr || qp.lse_shift == nullptr)
     return false;
+  if (!k.pv16 && (qp.v_scale == nullptr || qp.v_mean == nullptr)) return false;  // an 8-bit P V restores V with them
   if (p.task_counter != nullptr) return false;  // the 8-bit kernels take tasks by static striding only
   if (p.batch < 1 || p.heads < 1 || p.seq_q < 1 || p.seq_kv < 1 || !padded_kv(p.seq_kv, qp.seq_kv_padded)) return false;
   if ((p.mask_batch != 1 && p.mask_batch != p.batch) || (p.mask_heads != 1 && p.mask_heads != p.heads)) return false;
@@ -72,9 +73,10 @@ bool valid_attention(const TesseraQuantizedParams& qp, const tessera::quantized:
 // What the quantization pass trusts in `p`.
 bool valid_quantize(const TesseraQuantizeParams& p) {
   if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.q8 == nullptr || p.q_scale == nullptr ||
-      p.k8 == nullptr || p.k_scale == nullptr || p.v8 == nullptr || p.v_scale == nullptr || p.v_mean == nullptr ||
-      p.k_mean == nullptr || p.lse_shift == nullptr || p.partials == nullptr)
+      p.k8 == nullptr || p.k_scale == nullptr || p.k_mean == nullptr || p.lse_shift == nullptr || p.partials == nullptr)
     return false;
+  // V's outputs come all together (an 8-bit P V) or not at all (a 16-bit one reads v itself).
+  if ((p.v8 == nullptr) != (p.v_scale == nullptr) || (p.v8 == nullptr) != (p.v_mean == nullptr)) return false;
   if (p.batch < 1 || p.heads < 1 || p.seq_q < 1 || p.seq_kv < 1 || !padded_kv(p.seq_kv, p.seq_kv_padded)) return false;
   if (int64_t(p.batch) * p.heads > kMaxGridY) return false;
   if (p.head_dim != TESSERA_QUANTIZED_HEAD_DIM || (p.dtype != TESSERA_BF16 && p.dtype != TESSERA_FP16)) return false;

@@ -14,6 +14,8 @@
 // are an fp32 denormal, product * 2^-149, and one FFMA adds it to O, which holds 2^-23 times the
 // output's scale; the offset's share, 128 times the row sum of P8, comes off in the epilogue.
 // P's bytes come from f16 pairs: two fp32 exponentials packed, one HFMA2 rounds both to bytes.
+// With T::kPv16 only Q K^T is 8-bit: P and V stay in the output's 16-bit type and P V accumulates
+// in fp32 in the tensor cores, in the 16-bit kernels' order (consumer_loop_p16).
 // Static schedule only (every gridDim.x-th task): the launcher refuses a task counter.
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
@@ -37,9 +39,10 @@ using hopper::TxBarrier;
 using portable::fast_exp2;
 
 // TMA descriptors of one launch: Q boxes of kTileQ rows (q_unit rows in the grouped layout) and K
-// boxes of kv_unit rows, kHeadDim bytes wide, 128-byte swizzled.
+// boxes of kv_unit rows, kHeadDim bytes wide, 128-byte swizzled; with T::kPv16, 16-bit V boxes of
+// kv_unit rows x 64 columns (as the 16-bit kernels' V).
 struct TmaMaps {
-  CUtensorMap q, k;
+  CUtensorMap q, k, v;
 };
 
 // x + 1.5 * 2^23 holds x's integer value in its low mantissa bits for |x| < 2^22: an int32 becomes
@@ -93,8 +96,9 @@ __device__ __forceinline__ void load_q(const TesseraAttnParams& p, const TmaMaps
   }
 }
 
-// K (a TMA box per slot) with its scales, then V^T (a bulk copy per slot: a slot of kv_unit tokens
-// is kv_unit / 16 contiguous chunks of v8), once per KV tile of task t, each after its stage is free.
+// K (a TMA box per slot) with its scales, then V: 8-bit V^T by a bulk copy per slot (a slot of
+// kv_unit tokens is kv_unit / 16 contiguous chunks of v8), 16-bit V (T::kPv16) by TMA boxes as the
+// 16-bit kernels load it; once per KV tile of task t, each after its stage is free.
 template <class T>
 __device__ __forceinline__ void load_tiles(const TesseraQuantizedParams& qp, const TmaMaps& tma, const Task& t,
                                            unsigned char* smem, PipelineBarriers<T::kStages, T::kQStages>& bar,
@@ -111,7 +115,7 @@ __device__ __forceinline__ void load_tiles(const TesseraQuantizedParams& qp, con
     for (int j = 0; j < T::kMaxSlots; ++j) start[j] = j < p.slots ? max(__ldg(slots + j), 0) : 0;
     const int s = write.stage;
     int8_t* k_stage = reinterpret_cast<int8_t*>(smem + T::kSmemKOffset) + s * T::kSmemKTileBytes;
-    uint8_t* v_stage = reinterpret_cast<uint8_t*>(smem + T::kSmemVOffset) + s * T::kSmemKTileBytes;
+    unsigned char* v_stage = smem + T::kSmemVOffset + s * T::kSmemVTileBytes;
     float* ks_stage = reinterpret_cast<float*>(smem + T::kSmemKScaleOffset) + s * T::kTileKV;
     Barrier::wait(&bar.k_empty[s], write.phase ^ 1u);
     TxBarrier::arrive_and_expect_tx(&bar.k_full[s], T::kSmemKTileBytes + T::kSmemKScaleBytes);
@@ -121,10 +125,15 @@ __device__ __forceinline__ void load_tiles(const TesseraQuantizedParams& qp, con
       SM90_BULK_COPY_G2S::copy(k_scale + start[j], &bar.k_full[s], ks_stage + j * unit, unit * int(sizeof(float)));
     }
     Barrier::wait(&bar.v_empty[s], write.phase ^ 1u);
-    TxBarrier::arrive_and_expect_tx(&bar.v_full[s], T::kSmemKTileBytes);
-    for (int j = 0; j < p.slots; ++j)
-      SM90_BULK_COPY_G2S::copy(v8 + int64_t(start[j]) * T::kHeadDim, &bar.v_full[s], v_stage + j * unit * T::kHeadDim,
-                               unit * T::kHeadDim);
+    if constexpr (T::kPv16) {
+      hopper::load_kv_tile<typename T::VTile>(&tma.v, &bar.v_full[s], reinterpret_cast<typename T::Output*>(v_stage),
+                                              start, p.slots, unit, t);
+    } else {
+      TxBarrier::arrive_and_expect_tx(&bar.v_full[s], T::kSmemVTileBytes);
+      for (int j = 0; j < p.slots; ++j)
+        SM90_BULK_COPY_G2S::copy(v8 + int64_t(start[j]) * T::kHeadDim, &bar.v_full[s], v_stage + j * unit * T::kHeadDim,
+                                 unit * T::kHeadDim);
+    }
     write.advance();
   }
 }
@@ -136,6 +145,7 @@ __device__ void producer_loop(const TesseraQuantizedParams& qp, const TmaMaps& t
   const TesseraAttnParams& p = qp.attn;
   cute::prefetch_tma_descriptor(&tma.q);
   cute::prefetch_tma_descriptor(&tma.k);
+  if constexpr (T::kPv16) cute::prefetch_tma_descriptor(&tma.v);
   PipeState<T::kStages> write;
   PipeState<T::kQStages> write_q;
   const int64_t tasks = num_tasks(p);
@@ -162,21 +172,14 @@ __device__ __forceinline__ void load_k_scales(uint32_t ks_stage, int lane_col, f
                  : "r"(ks_stage + uint32_t(lane_col + 8 * j) * uint32_t(sizeof(float))));
 }
 
-// Online softmax of one tile's int32 scores `s` into the packed P operand `prob_w`: the scores are
-// s * k_scale (column; one FFMA with the magic number's share) * rf (row: q_scale * scale *
-// log2 e), masked where `act` says; returns in `alpha` the factor for what was accumulated under
-// the previous reference and in `tile_unit` the value of one P step (max_tile p / 255, relative to
-// the new reference; 0 for a row none of whose tile columns is active). The row sums add up the
-// rounded bytes (the weights P V applies).
-template <class T, class FragS, class FragP, int kBlocks>
-__device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const Task& t, int tile,
-                                              const TileActivity& act, const FragS& s,
-                                              const float2 (&ks)[kBlocks], int lane_col, const int (&row_of_half)[2],
-                                              const float (&rf)[2], float (&row_max)[2], float (&row_sum)[2],
-                                              float (&alpha)[2], float (&tile_unit)[2], FragP& prob_w) {
-  constexpr int kVals = decltype(size(s))::value;
-  static_assert(kBlocks * 4 == kVals, "a K scale pair per n8 block");
-  Tensor sf = make_tensor<float>(s.layout());
+// One tile's int32 scores `s` as fp32 `sf`: s * k_scale (column; one FFMA with the magic number's
+// share), masked where `act` says (-inf). The row factor (q_scale * scale * log2 e) comes later.
+template <class T, class FragS, class FragF, int kBlocks>
+__device__ __forceinline__ void column_scaled_scores(const TesseraAttnParams& p, const Task& t, int tile,
+                                                     const TileActivity& act, const FragS& s,
+                                                     const float2 (&ks)[kBlocks], int lane_col,
+                                                     const int (&row_of_half)[2], FragF& sf) {
+  static_assert(kBlocks * 4 == decltype(size(s))::value, "a K scale pair per n8 block");
   CUTE_UNROLL
   for (int j = 0; j < kBlocks; ++j) {  // n8 block j: columns lane_col + 8 j + {0, 1}, both row halves
     const float ox = -kMagic * ks[j].x, oy = -kMagic * ks[j].y;
@@ -186,19 +189,42 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
     sf(4 * j + 3) = fmaf(magic_float(s(4 * j + 3)), ks[j].y, oy);
   }
   if (act.needs_mask) hopper::mask_scores<T>(p, act, tile_slots(p, t, tile), sf, lane_col, row_of_half);
+}
+
+// The maximum of one row half (0 or 1) of the thread's quad's scores, in independent chains.
+template <class FragF>
+__device__ __forceinline__ float row_half_max(const FragF& sf, int half) {
+  constexpr int kBlocks = decltype(size(sf))::value / 4;
+  constexpr int kChains = 4;  // the row half's maximum in independent chains (not one chain of kVals / 2)
+  float part[kChains];
+  CUTE_UNROLL
+  for (int c = 0; c < kChains; ++c) part[c] = fmaxf(sf(4 * c + 2 * half), sf(4 * c + 2 * half + 1));
+  CUTE_UNROLL
+  for (int j = kChains; j < kBlocks; ++j)
+    part[j % kChains] = fmaxf(part[j % kChains], fmaxf(sf(4 * j + 2 * half), sf(4 * j + 2 * half + 1)));
+  float m = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+}
+
+// Online softmax of one tile's int32 scores `s` into the packed P operand `prob_w`: the scores are
+// column_scaled_scores times rf (row: q_scale * scale * log2 e); returns in `alpha` the factor for
+// what was accumulated under the previous reference and in `tile_unit` the value of one P step
+// (max_tile p / 255, relative to the new reference; 0 for a row none of whose tile columns is
+// active). The row sums add up the rounded bytes (the weights P V applies).
+template <class T, class FragS, class FragP, int kBlocks>
+__device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const Task& t, int tile,
+                                              const TileActivity& act, const FragS& s,
+                                              const float2 (&ks)[kBlocks], int lane_col, const int (&row_of_half)[2],
+                                              const float (&rf)[2], float (&row_max)[2], float (&row_sum)[2],
+                                              float (&alpha)[2], float (&tile_unit)[2], FragP& prob_w) {
+  constexpr int kVals = decltype(size(s))::value;
+  Tensor sf = make_tensor<float>(s.layout());
+  column_scaled_scores<T>(p, t, tile, act, s, ks, lane_col, row_of_half, sf);
   float base[2];
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
-    constexpr int kChains = 4;  // the row half's maximum in independent chains (not one chain of kVals / 2)
-    float part[kChains];
-    CUTE_UNROLL
-    for (int c = 0; c < kChains; ++c) part[c] = fmaxf(sf(4 * c + 2 * half), sf(4 * c + 2 * half + 1));
-    CUTE_UNROLL
-    for (int j = kChains; j < kBlocks; ++j)
-      part[j % kChains] = fmaxf(part[j % kChains], fmaxf(sf(4 * j + 2 * half), sf(4 * j + 2 * half + 1)));
-    float m = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float m = row_half_max(sf, half);
     const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf[half];
     // Lazy reference (as the 16-bit 64-column kernels): it moves only when the tile exceeds it by
     // more than 2^kRescaleThreshold, also when the row had no active score yet (alpha 0 then).
@@ -226,6 +252,52 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
     row_sum[half] = fmaf(row_sum[half], alpha[half], (magic_float(int32_t(bytes[half])) - kMagic) * tile_unit[half]);
 }
 
+// Online softmax of one tile's int32 scores `s` into fp32 probabilities `sf` for a 16-bit P V
+// (T::kPv16): the scores of column_scaled_scores times rf, probabilities relative to the row's lazy
+// reference (as the 16-bit kernels': at most 2^kRescaleThreshold), the row sums of the unrounded
+// probabilities (as the twin's pv="bf16"); returns in `alpha` the factor for what was accumulated
+// under the previous reference.
+template <class T, class FragS, class FragF, int kBlocks>
+__device__ __forceinline__ void softmax_to_p16(const TesseraAttnParams& p, const Task& t, int tile,
+                                               const TileActivity& act, const FragS& s,
+                                               const float2 (&ks)[kBlocks], int lane_col, const int (&row_of_half)[2],
+                                               const float (&rf)[2], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&alpha)[2], FragF& sf) {
+  constexpr int kVals = decltype(size(s))::value;
+  column_scaled_scores<T>(p, t, tile, act, s, ks, lane_col, row_of_half, sf);
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const float m = row_half_max(sf, half);
+    const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf[half];
+    // Also taken when the row had no active score yet (-inf) and this tile has one: alpha is 0 then.
+    const bool moves = tile_ref > row_max[half] + T::kRescaleThreshold;
+    alpha[half] = moves ? fast_exp2(row_max[half] - tile_ref) : 1.f;
+    if (moves) row_max[half] = tile_ref;
+    const float ref = row_max[half] == -CUDART_INF_F ? 0.f : row_max[half];  // empty so far: exp2 gives 0
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
+    CUTE_UNROLL
+    for (int e = 2 * half; e < kVals; e += 4) {
+      sf(e) = fast_exp2(fmaf(sf(e), rf[half], -ref));
+      sf(e + 1) = fast_exp2(fmaf(sf(e + 1), rf[half], -ref));
+      part[(e >> 2) % 4] += sf(e) + sf(e + 1);
+    }
+    row_sum[half] = fmaf(row_sum[half], alpha[half], (part[0] + part[1]) + (part[2] + part[3]));
+  }
+}
+
+// The row factors of the thread's two row halves: q_scale * scale * log2 e (q_scale 1 past Sq).
+template <class T>
+__device__ __forceinline__ void row_factors(const TesseraQuantizedParams& qp, const Task& t, const int (&row_of_half)[2],
+                                            float (&rf)[2]) {
+  const TesseraAttnParams& p = qp.attn;
+  const int64_t bh = int64_t(t.b) * p.heads + t.h;
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int row = query_row<T::kTileQ>(p, t, row_of_half[half]);
+    rf[half] = (row >= 0 && row < p.seq_q ? __ldg(qp.q_scale + bh * p.seq_q + row) : 1.f) * p.scale_log2;
+  }
+}
+
 // O += unit * O_tile per row half (O_tile the int32 product of one tile, read as a denormal; `unit`
 // carries kUnitScale).
 template <class FragO, class FragOi>
@@ -243,7 +315,8 @@ __device__ __forceinline__ void rescale(FragO& o, const float (&alpha)[2]) {
   }
 }
 
-// The task's output: (O * 2^23 / row sum - 128) * v_scale + v_mean (0 for an empty row), lse + lse_shift.
+// The task's output: (O * 2^23 / row sum - 128) * v_scale + v_mean, or O / row sum with T::kPv16
+// (0 for an empty row), lse + lse_shift.
 template <class T, class FragO, class CoordO>
 __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, const Task& t, const FragO& o,
                                              const float (&row_max)[2], const float (&row_sum)[2],
@@ -257,11 +330,13 @@ __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, c
   const float* v_scale = qp.v_scale + bh * T::kHeadDim;
   const float* v_mean = qp.v_mean + bh * T::kHeadDim;
   float2 vs[kPairs], vm[kPairs];
-  CUTE_UNROLL
-  for (int j = 0; j < kPairs; ++j) {
-    const int col = int(get<1>(coords(4 * j)));
-    vs[j] = __ldg(reinterpret_cast<const float2*>(v_scale + col));
-    vm[j] = __ldg(reinterpret_cast<const float2*>(v_mean + col));
+  if constexpr (!T::kPv16) {
+    CUTE_UNROLL
+    for (int j = 0; j < kPairs; ++j) {
+      const int col = int(get<1>(coords(4 * j)));
+      vs[j] = __ldg(reinterpret_cast<const float2*>(v_scale + col));
+      vm[j] = __ldg(reinterpret_cast<const float2*>(v_mean + col));
+    }
   }
   hopper::RowOutputs r = hopper::row_outputs<T>(p, t, row_max, row_sum, row_of_half);
   CUTE_UNROLL
@@ -277,11 +352,17 @@ __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, c
     const int row = r.row[half];
     if (row < 0) continue;
     const int col = int(get<1>(coords(e)));
-    const float2 f = vs[e >> 2], m = vm[e >> 2];
     const float inv = r.inv[half];
-    const bool keys = inv != 0.f;  // an empty row stays 0 (v_mean is added to weights summing to 1)
-    const float v0 = keys ? fmaf(fmaf(o(e) * inv, kOutputScale, -128.f), f.x, m.x) : 0.f;
-    const float v1 = keys ? fmaf(fmaf(o(e + 1) * inv, kOutputScale, -128.f), f.y, m.y) : 0.f;
+    float v0, v1;
+    if constexpr (T::kPv16) {
+      v0 = o(e) * inv;  // an empty row's O and inv are 0
+      v1 = o(e + 1) * inv;
+    } else {
+      const float2 f = vs[e >> 2], m = vm[e >> 2];
+      const bool keys = inv != 0.f;  // an empty row stays 0 (v_mean is added to weights summing to 1)
+      v0 = keys ? fmaf(fmaf(o(e) * inv, kOutputScale, -128.f), f.x, m.x) : 0.f;
+      v1 = keys ? fmaf(fmaf(o(e + 1) * inv, kOutputScale, -128.f), f.y, m.y) : 0.f;
+    }
     if (split) {
       const int64_t part = int64_t(t.split) * rows_per_split + bh * p.seq_q + row;
       *reinterpret_cast<float2*>(p.o_partial + part * T::kHeadDim + col) = make_float2(v0, v1);
@@ -346,13 +427,8 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
     float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};
     clear(o);
     if (n > 0) {
-      const int64_t bh = int64_t(t.b) * p.heads + t.h;
       float rf[2];
-      CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const int row = query_row<T::kTileQ>(p, t, row_of_half[half]);
-        rf[half] = (row >= 0 && row < p.seq_q ? __ldg(qp.q_scale + bh * p.seq_q + row) : 1.f) * p.scale_log2;
-      }
+      row_factors<T>(qp, t, row_of_half, rf);
       const int qs = read_q.stage;
       Barrier::wait(&bar.q_full[qs], read_q.phase);
       float alpha[2], unit[2];
@@ -421,6 +497,120 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
   }
 }
 
+// The consumers with a 16-bit P V (T::kPv16), in the 16-bit kernels' order (hopper::consume_task):
+// per KV tile i, issue S = Q8 K8_i^T (int32) and O += P_{i-1} V_{i-1} (fp32); wait S; release
+// K_i; softmax into fp32 P_i; wait O; O *= alpha_i; P_i to 16 bits.
+template <class T, class SmemQ, class SmemK, class SmemVt>
+__device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK& sK, SmemVt& sVt,
+                                  uint32_t ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
+  using Output = typename T::Output;
+  const TesseraAttnParams& p = qp.attn;
+  const int ctid = threadIdx.x - T::kProducerThreads;
+  const bool lane0 = cute::elect_one_sync();
+  auto release = [lane0](uint64_t* barrier) {
+    if (lane0) Barrier::arrive(barrier);
+  };
+  typename T::MmaQK mma_qk;
+  typename T::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(ctid);
+  auto thr_pv = mma_pv.get_thread_slice(ctid);
+  Tensor tQ = thr_qk.partition_fragment_A(sQ);    // descriptors (MMA, MMA_M, MMA_K, Q BUFFERS)
+  Tensor tK = thr_qk.partition_fragment_B(sK);    // descriptors (MMA, MMA_N, MMA_K, STAGES)
+  Tensor tVt = thr_pv.partition_fragment_B(sVt);  // descriptors (MMA, MMA_N, MMA_K, STAGES)
+  const Tensor coords_s = thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kTileKV>>{}));
+  const Tensor coords_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{}));
+  const int row_of_half[2] = {int(get<0>(coords_s(0))), int(get<0>(coords_s(2)))};
+  const int lane_col = int(get<1>(coords_s(0)));
+
+  Tensor s = partition_fragment_C(mma_qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});  // int32
+  Tensor sf = make_tensor<float>(s.layout());                                          // the tile's P, fp32
+  Tensor o = partition_fragment_C(mma_pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{});  // fp32
+  // P in the register layout of the 16-bit A operand: ((2, 2, 2), 1, N / 16), the same value order as S.
+  Tensor prob = make_tensor<Output>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<T::kTileKV / 16>>>{});
+  static_assert(decltype(size(prob))::value == decltype(size(s))::value, "a P value per score value");
+  constexpr int kBlocks = decltype(size(s))::value / 4;  // n8 blocks of the thread's score columns
+
+  PipeState<T::kStages> read_k, read_v;
+  PipeState<T::kQStages> read_q;
+  const PingPong<T> turns{ctid / 128};
+  turns.start();
+
+  const int64_t tasks = num_tasks(p);
+  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
+    const Task t = decode_task(p, task_id);
+    const int n = t.tile_end - t.tile_begin;
+    float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};
+    clear(o);
+    if (n > 0) {
+      float rf[2];
+      row_factors<T>(qp, t, row_of_half, rf);
+      const int qs = read_q.stage;
+      Barrier::wait(&bar.q_full[qs], read_q.phase);
+      float alpha[2];
+      TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
+      float2 ks[kBlocks];
+      auto issue_scores = [&]() {
+        Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);
+        hopper::wgmma_issue<true>(mma_qk, tQ(_, _, _, qs), tK(_, _, _, read_k.stage), s);
+      };
+      auto issue_pv = [&]() {
+        Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
+        hopper::wgmma_issue<false>(mma_pv, prob, tVt(_, _, _, read_v.stage), o);
+      };
+      auto k_scales = [&]() {  // its K stage has landed (issue_scores waited)
+        load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), lane_col, ks);
+      };
+      auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
+        warpgroup_fence_operand(s);
+        release(&bar.k_empty[read_k.stage]);
+        read_k.advance();
+        if (i == n - 1) release(&bar.q_empty[qs]);
+        softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, lane_col, row_of_half, rf, row_max, row_sum, alpha,
+                          sf);
+      };
+      auto pv_done = [&]() {
+        warpgroup_fence_operand(o);
+        warpgroup_fence_operand(prob);
+        release(&bar.v_empty[read_v.stage]);
+        read_v.advance();
+      };
+      auto to_prob = [&]() {
+        CUTE_UNROLL
+        for (int e = 0; e < size(sf); ++e) prob(e) = static_cast<Output>(sf(e));
+      };
+
+      turns.wait_turn();
+      issue_scores();
+      turns.pass_turn();
+      k_scales();
+      warpgroup_wait<0>();
+      scores(0);
+      to_prob();
+      for (int i = 1; i < n; ++i) {
+        act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
+        turns.wait_turn();
+        issue_scores();
+        issue_pv();
+        turns.pass_turn();
+        k_scales();
+        warpgroup_wait<1>();  // S_i done (committed first), O += P_{i-1} V_{i-1} in flight
+        scores(i);
+        warpgroup_wait<0>();
+        pv_done();
+        rescale(o, alpha);
+        to_prob();
+      }
+      turns.wait_turn();
+      issue_pv();
+      turns.pass_turn();
+      warpgroup_wait<0>();
+      pv_done();
+      read_q.advance();
+    }
+    store_output<T>(qp, t, o, row_max, row_sum, coords_o, row_of_half);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     attention_kernel(const __grid_constant__ TesseraQuantizedParams qp, const __grid_constant__ TmaMaps tma) {
@@ -429,7 +619,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<int8_t*>(base)), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<int8_t*>(base + T::kSmemKOffset)), typename T::SmemLayoutK{});
-  Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<uint8_t*>(base + T::kSmemVOffset)), typename T::SmemLayoutVt{});
+  Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<typename T::VElement*>(base + T::kSmemVOffset)),
+                           typename T::SmemLayoutVt{});
   __shared__ PipelineBarriers<T::kStages, T::kQStages> bar;
   if (threadIdx.x == 0) bar.init(1, T::kConsumerWarps, T::kConsumerWarps);
   __syncthreads();
@@ -438,7 +629,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     producer_loop<T>(qp, tma, base, bar);
   } else {
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    consumer_loop<T>(qp, sQ, sK, sVt, uint32_t(__cvta_generic_to_shared(base + T::kSmemKScaleOffset)), bar);
+    const uint32_t ks_smem = uint32_t(__cvta_generic_to_shared(base + T::kSmemKScaleOffset));
+    if constexpr (T::kPv16)
+      consumer_loop_p16<T>(qp, sQ, sK, sVt, ks_smem, bar);
+    else
+      consumer_loop<T>(qp, sQ, sK, sVt, ks_smem, bar);
   }
 }
 
@@ -475,6 +670,21 @@ int make_tma_maps(const TesseraQuantizedParams& qp, TmaMaps& d) {
   if (one(&d.q, p.q, p.seq_q, p.seq_q, q_rows) != CUDA_SUCCESS ||
       one(&d.k, p.k, p.seq_kv, qp.seq_kv_padded, 1 << p.kv_unit_log2) != CUDA_SUCCESS)
     return int(cudaErrorInvalidValue);
+  if constexpr (T::kPv16) {  // 16-bit V [B, Skv, H, D] with its element strides per (b, s, h), as the 16-bit kernels'
+    constexpr cuuint64_t kBytes = 2;
+    const CUtensorMapDataType type = std::is_same_v<typename T::Output, cutlass::half_t>
+                                         ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                         : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    const cuuint64_t dims[4] = {cuuint64_t(T::kHeadDim), cuuint64_t(p.seq_kv), cuuint64_t(p.heads), cuuint64_t(p.batch)};
+    const cuuint64_t strides[3] = {cuuint64_t(p.v_stride[1]) * kBytes, cuuint64_t(p.v_stride[2]) * kBytes,
+                                   cuuint64_t(p.v_stride[0]) * kBytes};
+    const cuuint32_t box[4] = {64u, cuuint32_t(1 << p.kv_unit_log2), 1u, 1u};
+    const cuuint32_t unit_strides[4] = {1u, 1u, 1u, 1u};
+    if (encode(&d.v, type, 4, const_cast<void*>(p.v), dims, strides, box, unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return int(cudaErrorInvalidValue);  // V's base or strides not 16-byte aligned
+  }
   return 0;
 }
 

@@ -17,6 +17,7 @@ extern "C" {
 //             of 16 tokens (8-bit wgmma reads both operands K-major), the tokens of a chunk in the
 //             order of the P V product's register operand (TESSERA_V_CHUNK_TOKEN below); 128 past Skv
 //   v_scale, v_mean, k_mean [B, H, D] fp32
+// v8, v_scale and v_mean are made only for the kernels with an 8-bit P V (NULL otherwise).
 // Skv_pad is a multiple of 128 at or past Skv, so a KV slot never reads past the buffers.
 #define TESSERA_QUANTIZED_ALIGN 128
 #define TESSERA_QUANTIZED_HEAD_DIM 128
@@ -28,8 +29,10 @@ extern "C" {
 #define TESSERA_V_CHUNK_TOKEN(j) (8 * (((j) & 3) >> 1) + 2 * ((j) >> 2) + ((j) & 1))
 
 typedef struct TesseraQuantizedParams {
-  TesseraAttnParams attn;  // q, k, v: q8, k8, v8 (their strides unused); o, lse, split-K parts and the
-                           // plan's metadata as for the 16-bit kernels; task_counter must be NULL
+  TesseraAttnParams attn;  // q, k, v: q8, k8 (their strides unused) and v8 (unused strides), or for a
+                           // kernel with a 16-bit P V the request's 16-bit v with its strides; o, lse,
+                           // split-K parts and the plan's metadata as for the 16-bit kernels;
+                           // task_counter must be NULL
   const float* q_scale;
   const float* k_scale;
   const float* v_scale;
@@ -91,11 +94,12 @@ struct KernelLimits {
   int tile_q;
   int tile_kv;
   int max_slots;
+  bool pv16;  // P V in 16 bits: v is the request's 16-bit V, v_scale and v_mean unused
 };
 
 template <class T>
 constexpr KernelLimits kernel_limits() {
-  return {T::kTileQ, T::kTileKV, T::kMaxSlots};
+  return {T::kTileQ, T::kTileKV, T::kMaxSlots, T::kPv16};
 }
 }  // namespace tessera::quantized
 #endif

@@ -7,7 +7,8 @@
 //                       warp per row; Q's lse_shift = scale * q . k_mean on the way), V to int8 per
 //                       channel plus 128, written transposed in 16-token chunks (a thread per
 //                       channel).
-// The partials keep the pass deterministic (no atomics).
+// Without v8 (a kernel with a 16-bit P V reads V itself) the pass leaves V alone: no V statistics,
+// no v8. The partials keep the pass deterministic (no atomics).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -65,13 +66,18 @@ __global__ void __launch_bounds__(kQuantizeThreads) channel_statistics(const __g
   const int len = segment_tokens(p);
   const int first = blockIdx.x * len, last = min(first + len, p.seq_kv);
   float k_sum = 0.f, v_sum = 0.f, v_max = -CUDART_INF_F, v_min = CUDART_INF_F;
+  if (p.v8 != nullptr) {
 #pragma unroll 4
-  for (int s = first; s < last; ++s) {
-    k_sum += load_element(p.k, row_offset(p.k_stride, b, s, h) + d, p.dtype);
-    const float v = load_element(p.v, row_offset(p.v_stride, b, s, h) + d, p.dtype);
-    v_sum += v;
-    v_max = fmaxf(v_max, v);
-    v_min = fminf(v_min, v);
+    for (int s = first; s < last; ++s) {
+      k_sum += load_element(p.k, row_offset(p.k_stride, b, s, h) + d, p.dtype);
+      const float v = load_element(p.v, row_offset(p.v_stride, b, s, h) + d, p.dtype);
+      v_sum += v;
+      v_max = fmaxf(v_max, v);
+      v_min = fminf(v_min, v);
+    }
+  } else {
+#pragma unroll 4
+    for (int s = first; s < last; ++s) k_sum += load_element(p.k, row_offset(p.k_stride, b, s, h) + d, p.dtype);
   }
   float* out = p.partials + (int64_t(bh) * p.segments + blockIdx.x) * 4 * TESSERA_QUANTIZED_HEAD_DIM + d;
   out[0 * TESSERA_QUANTIZED_HEAD_DIM] = k_sum;
@@ -94,6 +100,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) channel_finish(const __grid_
   const float amax = fmaxf(v_max - v_mean, v_mean - v_min);  // largest |v - v_mean| of the channel
   const int64_t at = int64_t(bh) * TESSERA_QUANTIZED_HEAD_DIM + d;
   p.k_mean[at] = k_sum / float(p.seq_kv);
+  if (p.v8 == nullptr) return;
   p.v_mean[at] = v_mean;
   p.v_scale[at] = amax > 0.f ? amax / kInt8Max : 1.f;
 }
@@ -148,6 +155,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
     }
   }
   // V: thread d quantizes channel d of each token and writes 16-byte rows of the chunks.
+  if (p.v8 == nullptr) return;
   const int d = threadIdx.x;
   const float v_mean = p.v_mean[int64_t(bh) * D + d], v_scale = p.v_scale[int64_t(bh) * D + d];
   for (int c = 0; c < kQuantizeTokens / kChunk; ++c) {

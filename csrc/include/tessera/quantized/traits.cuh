@@ -1,7 +1,8 @@
-// Compile-time shape of one 8-bit Hopper (sm90a) kernel variant: Q K^T as int8 x int8 -> int32 and
-// P V as uint8 x uint8 -> int32 wgmma (V offset by 128), both operands K-major; the warpgroup
-// roles, ping-pong and register budgets of the 16-bit kernels (tessera/hopper/traits.cuh). Every
-// shape assumption is checked here.
+// Compile-time shape of one 8-bit Hopper (sm90a) kernel variant: Q K^T as int8 x int8 -> int32
+// wgmma, and P V either as uint8 x uint8 -> int32 (V offset by 128, both operands K-major) or, with
+// kPv16, in the output's 16-bit type with fp32 accumulation (V as given, MN-major, as the 16-bit
+// kernels read it); the warpgroup roles, ping-pong and register budgets of the 16-bit kernels
+// (tessera/hopper/traits.cuh). Every shape assumption is checked here.
 #pragma once
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -14,9 +15,11 @@ namespace tessera::quantized {
 
 using namespace cute;
 
-template <int kTileQ_, int kTileKV_, int kHeadDim_, int kStages_, typename Output_>
+template <int kTileQ_, int kTileKV_, int kHeadDim_, int kStages_, typename Output_, bool kPv16_ = false>
 struct Traits {
   using Output = Output_;  // O's type: cutlass::bfloat16_t or cutlass::half_t
+  static constexpr bool kPv16 = kPv16_;  // P V in Output's type (V unquantized), else in 8 bits
+  using VElement = conditional_t<kPv16, Output, uint8_t>;
   static constexpr int kTileQ = kTileQ_;
   static constexpr int kTileKV = kTileKV_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -30,19 +33,20 @@ struct Traits {
   static constexpr int kMaxSlots = kTileKV / 16;
   static constexpr int kCtasPerSm = 1;
 
-  // Shared memory: Q buffers, then the K ring, the V^T ring (2 KB per 16-token chunk), the K scales.
+  // Shared memory: Q buffers, then the K ring, the V ring, the K scales.
   static constexpr int kSmemQTileBytes = kTileQ * kHeadDim;
   static constexpr int kSmemKTileBytes = kTileKV * kHeadDim;
+  static constexpr int kSmemVTileBytes = kTileKV * kHeadDim * int(sizeof(VElement));
   static constexpr int kSmemKScaleBytes = kTileKV * int(sizeof(float));
   static constexpr int smem_bytes(int q_stages) {
-    return q_stages * kSmemQTileBytes + kStages * (2 * kSmemKTileBytes + kSmemKScaleBytes) + 1024;
+    return q_stages * kSmemQTileBytes + kStages * (kSmemKTileBytes + kSmemVTileBytes + kSmemKScaleBytes) + 1024;
   }
   static constexpr int kQStages = smem_bytes(2) + 2048 <= 228 * 1024 ? 2 : 1;
   static constexpr int kSmemQBytes = kQStages * kSmemQTileBytes;
   static constexpr int kSmemBytes = smem_bytes(kQStages);
   static constexpr int kSmemKOffset = kSmemQBytes;
   static constexpr int kSmemVOffset = kSmemKOffset + kStages * kSmemKTileBytes;
-  static constexpr int kSmemKScaleOffset = kSmemVOffset + kStages * kSmemKTileBytes;
+  static constexpr int kSmemKScaleOffset = kSmemVOffset + kStages * kSmemVTileBytes;
 
   static constexpr bool kReallocRegisters = kWarpgroups == 2;
   static constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
@@ -59,9 +63,12 @@ struct Traits {
   using MmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<int8_t, int8_t, int32_t, Shape<Int<64>, Int<kTileKV>, Int<kHeadDim>>>(),
       Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
+  using MmaPVShape = Shape<Int<64>, Int<kHeadDim>, Int<kTileKV>>;
   using MmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<uint8_t, uint8_t, int32_t, Shape<Int<64>, Int<kHeadDim>, Int<kTileKV>>, GMMA::Major::K,
-                           GMMA::Major::K>(),
+      conditional_t<kPv16,
+                    decltype(GMMA::rs_op_selector<Output, Output, float, MmaPVShape, GMMA::Major::K, GMMA::Major::MN>()),
+                    decltype(GMMA::rs_op_selector<uint8_t, uint8_t, int32_t, MmaPVShape, GMMA::Major::K,
+                                                  GMMA::Major::K>())>{},
       Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
 
   // Q and K: rows of kHeadDim bytes, 128-byte swizzled as TMA writes them.
@@ -69,16 +76,31 @@ struct Traits {
                                              Shape<Int<kTileQ>, Int<kHeadDim>, Int<kQStages>>{}));
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<int8_t>{},
                                              Shape<Int<kTileKV>, Int<kHeadDim>, Int<kStages>>{}));
-  // V^T (head dim, key): per 16-key chunk, kHeadDim rows of 16 bytes (8 x 16-byte core matrices),
-  // chunks 2 KB apart: the chunk layout of v8, so a slot's chunks arrive in one bulk copy.
-  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_K_INTER_Atom<uint8_t>{},
-                                              Shape<Int<kHeadDim>, Int<kTileKV>, Int<kStages>>{}));
+  // 8-bit V^T (head dim, key): per 16-key chunk, kHeadDim rows of 16 bytes (8 x 16-byte core
+  // matrices), chunks 2 KB apart: the chunk layout of v8, so a slot's chunks arrive in one bulk copy.
+  // 16-bit V (kPv16): (key, head dim) tiles as the 16-bit kernels' TMA writes them (64-column
+  // halves, 128-byte swizzled), seen transposed.
+  using SmemLayoutV16 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Output>{},
+                                               Shape<Int<kTileKV>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = conditional_t<
+      kPv16,
+      decltype(composition(SmemLayoutV16{},
+                           make_ordered_layout(Shape<Int<kHeadDim>, Int<kTileKV>, Int<kStages>>{}, Step<_2, _1, _3>{}))),
+      decltype(tile_to_shape(GMMA::Layout_K_INTER_Atom<uint8_t>{}, Shape<Int<kHeadDim>, Int<kTileKV>, Int<kStages>>{}))>;
+  // What hopper::load_kv_tile reads of a 16-bit V tile (kPv16).
+  struct VTile {
+    using Element = Output;
+    static constexpr int kTileKV = kTileKV_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kMaxSlots = kTileKV_ / 16;
+  };
 
   static_assert(kTileQ == 64 || kTileQ == 128, "64 or 128 query rows (one or two consumer warpgroups)");
   static_assert(kTileKV == 64 || kTileKV == 128, "KV tile 64 or 128");
   static_assert(kHeadDim == TESSERA_QUANTIZED_HEAD_DIM, "rows of Q and K are one 128-byte swizzle span");
   static_assert(kStages >= 2 && kStages <= 4, "pipeline depth 2-4");
-  static_assert(kMaxScore < (1 << 22) && kMaxProduct < (1 << 23), "int32 results convert exactly (attention.cuh)");
+  static_assert(kMaxScore < (1 << 22) && (kPv16 || kMaxProduct < (1 << 23)),
+                "int32 results convert exactly (attention.cuh)");
   static_assert(!kReallocRegisters || kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
                                           kLaunchRegisters * kThreads,
                 "register budgets fit the registers the CTA launches with");
