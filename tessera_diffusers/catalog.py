@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from functools import cache
 
-from .kernel_table import KernelRow, all_rows, hopper_rows, portable_rows, quantized_variant
+from .kernel_table import DEFAULT_PV, KernelRow, all_rows, hopper_rows, portable_rows, quantized_variant
 from .plans import Family, KernelSpec, KvLayout, PhysicalPlan, TaskOrganization, Traversal
 
 # Task organizations the plan space offers for every kernel.
@@ -45,12 +45,12 @@ def all_kernels() -> tuple[KernelSpec, ...]:
     return tuple(kernel_spec_from_row(row) for row in all_rows())
 
 
-def quantized_kernel(spec: KernelSpec) -> KernelRow | None:
-    """The 8-bit kernel that runs plans of the 16-bit kernel ``spec`` (a Hopper kernel of a tile the
-    8-bit kernels have), or None."""
+def quantized_kernel(spec: KernelSpec, pv: str = DEFAULT_PV) -> KernelRow | None:
+    """The 8-bit kernel with P V format ``pv`` (``kernel_table.QUANTIZED_FAMILIES``) that runs plans
+    of the 16-bit kernel ``spec`` (a Hopper kernel of a tile the 8-bit kernels have), or None."""
     if spec.family is not Family.HOPPER:
         return None
-    return quantized_variant(spec.tile_q, spec.tile_kv, spec.head_dim, spec.dtype, spec.stages)
+    return quantized_variant(spec.tile_q, spec.tile_kv, spec.head_dim, spec.dtype, spec.stages, pv)
 
 
 def reference_kernel(head_dim: int, dtype: str, tile_q: int = 64, tile_kv: int = 64) -> KernelSpec:

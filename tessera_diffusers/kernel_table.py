@@ -17,7 +17,7 @@ class TileConfig(NamedTuple):
 
 
 class KernelRow(NamedTuple):
-    family: str  # "portable" | "hopper" | "hopper8" (8-bit, precision="int8")
+    family: str  # "portable" | "hopper" | "hopper8" | "hopper8qk" (8-bit, QUANTIZED_FAMILIES)
     tile_q: int
     tile_kv: int
     head_dim: int
@@ -100,13 +100,30 @@ QUANTIZED_STAGES: tuple[int, ...] = (2, 3)
 QUANTIZED_HEAD_DIM = 128
 
 
+# The family of each P V format (quantized.py's ``pv``): "hopper8" runs P V as uint8 x uint8 ->
+# int32, "hopper8qk" only Q K^T in 8 bits, P V in the inputs' 16-bit type with fp32 accumulation.
+QUANTIZED_FAMILIES: dict[str, str] = {"int8": "hopper8", "bf16": "hopper8qk"}
+# The format precision="int8" runs: INT8 Q K^T with a 16-bit P V measured as fast as the 8-bit P V
+# on every family and with about half its error (docs/results.md, "8-bit attention").
+DEFAULT_PV = "bf16"
+
+
 def quantized_rows() -> tuple[KernelRow, ...]:
     """Every 8-bit Hopper variant in a fixed order (built only for sm90a targets)."""
-    return family_rows("hopper8", QUANTIZED_TILES, (QUANTIZED_HEAD_DIM,), QUANTIZED_STAGES, "sm90a")
+    return tuple(row for family in QUANTIZED_FAMILIES.values()
+                 for row in family_rows(family, QUANTIZED_TILES, (QUANTIZED_HEAD_DIM,), QUANTIZED_STAGES, "sm90a"))
 
 
-def quantized_variant(tile_q: int, tile_kv: int, head_dim: int, dtype: str, stages: int) -> KernelRow | None:
-    """The 8-bit kernel that runs plans of a Hopper kernel of this shape (its stages where built,
-    else the nearest), or None."""
-    rows = [r for r in quantized_rows() if (r.tile_q, r.tile_kv, r.head_dim, r.dtype) == (tile_q, tile_kv, head_dim, dtype)]
+def pv_format(row: KernelRow) -> str:
+    """The P V format (a key of QUANTIZED_FAMILIES) of an 8-bit kernel row."""
+    return next(pv for pv, family in QUANTIZED_FAMILIES.items() if family == row.family)
+
+
+def quantized_variant(tile_q: int, tile_kv: int, head_dim: int, dtype: str, stages: int,
+                      pv: str = DEFAULT_PV) -> KernelRow | None:
+    """The 8-bit kernel with P V format ``pv`` that runs plans of a Hopper kernel of this shape
+    (its stages where built, else the nearest), or None."""
+    family = QUANTIZED_FAMILIES[pv]
+    rows = [r for r in quantized_rows()
+            if r.family == family and (r.tile_q, r.tile_kv, r.head_dim, r.dtype) == (tile_q, tile_kv, head_dim, dtype)]
     return min(rows, key=lambda r: (abs(r.stages - stages), r.stages)) if rows else None

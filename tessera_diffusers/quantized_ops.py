@@ -1,8 +1,9 @@
 """The native 8-bit path (``precision="int8"``): the quantization pass and the 8-bit Hopper kernels.
 
 The arithmetic is ``quantized.py``'s (its twin is the CPU oracle of these kernels). A request runs
-as: ``quantize`` (one pass over q, k, v: int8 copies, per-token and per-channel scales, the means
-and the log-sum-exp shift), then the 8-bit kernel over a prepared plan of the 16-bit catalog whose
+as: ``quantize`` (one pass over q, k and, for an 8-bit P V, v: int8 copies, per-token and
+per-channel scales, the means and the log-sum-exp shift), then the 8-bit kernel of the P V format
+(``kernel_table.QUANTIZED_FAMILIES``; ``DEFAULT_PV`` for precision="int8") over a prepared plan of the 16-bit catalog whose
 tile it has (``catalog.quantized_kernel``): the same metadata, tasks and split-K merge. The quantized tensors are
 the kernels' own layouts (``csrc/include/tessera/quantized/params.h``).
 """
@@ -17,7 +18,7 @@ import torch
 from . import ops
 from .catalog import quantized_kernel
 from .errors import CatalogError, InvalidArgumentError, describe_tensor
-from .kernel_table import QUANTIZED_HEAD_DIM, quantized_rows
+from .kernel_table import DEFAULT_PV, QUANTIZED_FAMILIES, QUANTIZED_HEAD_DIM, quantized_rows
 from .library import (
     DTYPE_CODES,
     QuantizedLibrary,
@@ -47,9 +48,10 @@ class QuantizedTensors:
     q_scale: torch.Tensor  # [B, H, Sq] fp32
     k8: torch.Tensor  # [B, H, Skv_pad, D] int8 of k - k_mean
     k_scale: torch.Tensor  # [B, H, Skv_pad] fp32
-    v8: torch.Tensor  # [B, H, Skv_pad / 16, D, 16] uint8: int8 of v - v_mean plus 128, tokens in chunk order
-    v_scale: torch.Tensor  # [B, H, D] fp32
-    v_mean: torch.Tensor  # [B, H, D] fp32
+    v8: torch.Tensor | None  # [B, H, Skv_pad / 16, D, 16] uint8: int8 of v - v_mean plus 128, tokens in chunk
+    # order (None for a 16-bit P V, as v_scale and v_mean)
+    v_scale: torch.Tensor | None  # [B, H, D] fp32
+    v_mean: torch.Tensor | None  # [B, H, D] fp32
     k_mean: torch.Tensor  # [B, H, D] fp32
     lse_shift: torch.Tensor  # [B, H, Sq] fp32
     seq_kv: int
@@ -65,6 +67,11 @@ class QuantizedTensors:
         natural = torch.empty(self.v8.shape, dtype=torch.int8, device=self.v8.device)
         natural[..., order] = (self.v8.to(torch.int16) - 128).to(torch.int8)
         return natural.permute(0, 2, 4, 1, 3).reshape(batch, chunks * CHUNK, heads, head_dim)[:, : self.seq_kv]
+
+
+def check_pv(pv: str) -> None:
+    if pv not in QUANTIZED_FAMILIES:
+        raise InvalidArgumentError("pv", f"one of {tuple(QUANTIZED_FAMILIES)}", repr(pv))
 
 
 def require_library() -> QuantizedLibrary:
@@ -86,9 +93,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise InvalidArgumentError(name, "a contiguous last dim (stride 1)", f"strides {tuple(t.stride())}")
 
 
-def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> QuantizedTensors:
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv: str = DEFAULT_PV) -> QuantizedTensors:
     """The quantization pass on the GPU: q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]`` (bf16 or fp16,
-    D = 128) -> ``QuantizedTensors`` (three launches on the current stream, no sync)."""
+    D = 128) -> ``QuantizedTensors`` for the kernels of P V format ``pv`` (V is quantized only for
+    ``pv="int8"``; three launches on the current stream, no sync)."""
+    check_pv(pv)
     check_inputs(q, k, v)
     lib = require_library().lib
     q, k, v = (ops.with_aligned_loads(t) for t in (q, k, v))  # rows read 8 bytes per lane from 16-byte starts
@@ -98,14 +107,16 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     segments = max(1, min(-(-seq_kv // SEGMENT_TOKENS), MAX_GRID_Y))
     device = q.device
     f32 = {"dtype": torch.float32, "device": device}
+    with_v = pv == "int8"
     x = QuantizedTensors(
         q8=torch.empty(batch, heads, seq_q, head_dim, dtype=torch.int8, device=device),
         q_scale=torch.empty(batch, heads, seq_q, **f32),
         k8=torch.empty(batch, heads, padded, head_dim, dtype=torch.int8, device=device),
         k_scale=torch.empty(batch, heads, padded, **f32),
-        v8=torch.empty(batch, heads, padded // CHUNK, head_dim, CHUNK, dtype=torch.uint8, device=device),
-        v_scale=torch.empty(batch, heads, head_dim, **f32),
-        v_mean=torch.empty(batch, heads, head_dim, **f32),
+        v8=torch.empty(batch, heads, padded // CHUNK, head_dim, CHUNK, dtype=torch.uint8, device=device) if with_v
+        else None,
+        v_scale=torch.empty(batch, heads, head_dim, **f32) if with_v else None,
+        v_mean=torch.empty(batch, heads, head_dim, **f32) if with_v else None,
         k_mean=torch.empty(batch, heads, head_dim, **f32),
         lse_shift=torch.empty(batch, heads, seq_q, **f32),
         seq_kv=seq_kv,
@@ -119,7 +130,8 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     p.batch, p.heads, p.seq_q, p.seq_kv, p.seq_kv_padded = batch, heads, seq_q, seq_kv, padded
     p.head_dim, p.dtype, p.segments, p.scale = head_dim, DTYPE_CODES[q.dtype], segments, scale
     p.q8, p.q_scale, p.k8, p.k_scale = x.q8.data_ptr(), x.q_scale.data_ptr(), x.k8.data_ptr(), x.k_scale.data_ptr()
-    p.v8, p.v_scale, p.v_mean = x.v8.data_ptr(), x.v_scale.data_ptr(), x.v_mean.data_ptr()
+    if with_v:
+        p.v8, p.v_scale, p.v_mean = x.v8.data_ptr(), x.v_scale.data_ptr(), x.v_mean.data_ptr()
     p.k_mean, p.lse_shift, p.partials = x.k_mean.data_ptr(), x.lse_shift.data_ptr(), partials.data_ptr()
     with torch.cuda.device(device):
         lib.check(lib.handle.tessera_quantize(ctypes.byref(p), ctypes.c_void_p(current_stream_handle(device))),
@@ -128,13 +140,16 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
 
 
 def run_quantized(prepared: PreparedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  return_lse: bool, quantized: QuantizedTensors | None = None
+                  return_lse: bool, quantized: QuantizedTensors | None = None, pv: str = DEFAULT_PV
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """8-bit attention over ``prepared`` (a plan whose kernel has an 8-bit variant, ``catalog.quantized_kernel``):
     q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]`` -> out ``[B, Sq, H, D]`` in q's dtype (and lse
-    ``[B, H, Sq]`` fp32). ``quantized``: the pass's result for these q, k, v, if already made."""
+    ``[B, H, Sq]`` fp32). ``quantized``: the pass's result for these q, k, v, if already made.
+    ``pv``: the P V format (``kernel_table.QUANTIZED_FAMILIES``): "int8" reads the pass's v8,
+    "bf16" (INT8 Q K^T only) reads v itself in its 16-bit type."""
+    check_pv(pv)
     spec = prepared.plan.kernel
-    row = quantized_kernel(spec)
+    row = quantized_kernel(spec, pv)
     if row is None:
         raise InvalidArgumentError("plan", "a plan of a Hopper kernel with an 8-bit variant (tiles "
                                    f"{sorted({(r.tile_q, r.tile_kv) for r in quantized_rows()})}, head_dim "
@@ -149,21 +164,27 @@ def run_quantized(prepared: PreparedPlan, q: torch.Tensor, k: torch.Tensor, v: t
     check_inputs(q, k, v)
     prepared.check_call(q, k, v)
     config = ops.check_launch(q, k, v, spec, prepared.metadata, prepared.launch_config())
-    x = quantized if quantized is not None else quantize(q, k, v, scale)
+    x = quantized if quantized is not None else quantize(q, k, v, scale, pv)
+    if pv == "int8" and x.v8 is None:
+        raise InvalidArgumentError("quantized", "the pass's tensors with v8 (quantize(..., pv=\"int8\"))",
+                                   "tensors without v8")
+    v_read = x.v8 if pv == "int8" else ops.with_aligned_loads(v)  # a 16-bit V goes through TMA: 16-byte steps
     out, lse, workspace, _ = ops.output_buffers(q, config.num_splits, return_lse)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     template = ops.unbound_template(spec.name, tuple(config), tuple(q.shape), k.shape[1],
-                                    tuple(prepared.tile_counts.shape[:2]), (q.stride(), k.stride(), v.stride(),
+                                    tuple(prepared.tile_counts.shape[:2]), (q.stride(), k.stride(), v_read.stride(),
                                                                             out.stride()),
                                     q.dtype, device_index, scale).bind(prepared.metadata)
-    attn, merge = template.fill(x.q8, x.k8, x.v8, out, lse, workspace)
+    attn, merge = template.fill(x.q8, x.k8, v_read, out, lse, workspace)
     if config.persistent:  # static striding over a grid of the 8-bit kernel's resident CTAs
         ctas = max(1, qlib.lib.handle.tessera_quantized_kernel_ctas_per_sm(kid))
         attn.grid_size = ctas * torch.cuda.get_device_properties(device_index).multi_processor_count
     params = TesseraQuantizedParams()
     params.attn = attn
     params.q_scale, params.k_scale = x.q_scale.data_ptr(), x.k_scale.data_ptr()
-    params.v_scale, params.v_mean, params.lse_shift = x.v_scale.data_ptr(), x.v_mean.data_ptr(), x.lse_shift.data_ptr()
+    if x.v8 is not None:
+        params.v_scale, params.v_mean = x.v_scale.data_ptr(), x.v_mean.data_ptr()
+    params.lse_shift = x.lse_shift.data_ptr()
     params.seq_kv_padded = x.seq_kv_padded
     lib = qlib.lib
     with torch.cuda.device(q.device):

@@ -92,7 +92,8 @@ BASELINE_NAMES: tuple[str, ...] = (
     "spargeattn-kernel",
     "reference",
 )
-TESSERA_NAMES: tuple[str, ...] = ("tessera", "tessera-plans", "tessera-int8", "tessera-int8-kernel")
+TESSERA_NAMES: tuple[str, ...] = ("tessera", "tessera-plans", "tessera-int8", "tessera-int8-kernel", "tessera-int8pv",
+                                   "tessera-int8pv-kernel")
 BACKEND_NAMES: tuple[str, ...] = BASELINE_NAMES + TESSERA_NAMES
 FLASHINFER_NAMES: tuple[str, ...] = tuple(n for n in BASELINE_NAMES if n.startswith("flashinfer"))
 # The ThunderKittens peers (bench/thunderkittens_backends.py): built on the GPU machine, not on PyPI.

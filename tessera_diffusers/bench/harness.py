@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..corpus import CaseSpec, iter_corpus
+from ..kernel_table import DEFAULT_PV
 from .backends import Backend, FlexAttentionBackend, FlexAttentionTuned, OracleBackend, SdpaBackend, Skip
 from .config import BenchConfig, default_backends
 from .flashinfer_backends import FlashInferBsr, FlashInferVariable
@@ -57,8 +58,8 @@ def make_backend(name: str) -> Backend:
         return OracleBackend()
     if name == "tessera":
         return TesseraSelected()
-    if name in ("tessera-int8", "tessera-int8-kernel"):
-        return TesseraQuantized(kernel_only=name.endswith("-kernel"))
+    if name.startswith("tessera-int8"):
+        return TesseraQuantized(kernel_only=name.endswith("-kernel"), pv="int8" if "int8pv" in name else DEFAULT_PV)
     if name.startswith("flashinfer-"):
         _, wrapper, backend = name.split("-")
         return FlashInferBsr(backend) if wrapper == "bsr" else FlashInferVariable(backend)
@@ -73,7 +74,8 @@ def make_backend(name: str) -> Backend:
 
 # Dense baselines first (they are the yardstick); FlashInfer, the ThunderKittens peers and SpargeAttn
 # last (a CUDA error there would poison the context for everything measured after it).
-ORDER = ("sdpa-cudnn", "sdpa-fa2", "tessera", "tessera-int8", "tessera-int8-kernel", "tessera-plans", "flex", "reference")
+ORDER = ("sdpa-cudnn", "sdpa-fa2", "tessera", "tessera-int8", "tessera-int8-kernel", "tessera-int8pv",
+         "tessera-int8pv-kernel", "tessera-plans", "flex", "reference")
 
 
 def ordered(names: Iterable[str]) -> list[str]:

@@ -15,6 +15,7 @@ import torch
 from ..catalog import reference_kernel
 from ..eligibility import rejection
 from ..errors import CatalogError
+from ..kernel_table import DEFAULT_PV
 from ..mask_state import build_mask_state
 from ..plans import DTYPE_NAMES, KvLayout, PhysicalPlan, Request, TaskOrganization, with_grouped_layouts
 from ..prepare import PreparedPlan, prepare
@@ -141,13 +142,18 @@ class TesseraQuantized(Backend):
     """The 8-bit path (``precision="int8"``): the plan ``Selector.quantized`` picks, run by its 8-bit
     kernel. ``tessera-int8`` times what a call does on a prepared plan, the quantization pass and
     the kernel; ``tessera-int8-kernel`` the kernel alone, on inputs quantized beforehand. Its output
-    is held to the 8-bit budget (``quantized.MIN_COSINE``, ``MAX_RELATIVE_L2``), not the 16-bit one."""
+    is held to the 8-bit budget (``quantized.MIN_COSINE``, ``MAX_RELATIVE_L2``), not the 16-bit one.
+    For comparison, ``pv="int8"`` (``tessera-int8pv``, ``tessera-int8pv-kernel``) runs the same plan
+    on the kernels with an 8-bit P V (the product's P V format is ``kernel_table.DEFAULT_PV``); its
+    request is the quantization pass and that kernel on the prepared plan."""
 
     kind = "quantized"
 
-    def __init__(self, kernel_only: bool = False):
+    def __init__(self, kernel_only: bool = False, pv: str = DEFAULT_PV):
         self.kernel_only = kernel_only
-        self.name = "tessera-int8-kernel" if kernel_only else "tessera-int8"
+        self.pv = pv
+        self.name = ("tessera-int8" if pv == DEFAULT_PV else "tessera-int8pv") + ("-kernel" if kernel_only else "")
+        self._prepared: PreparedPlan | None = None
 
     def prepare(self, problem: Problem) -> tuple[PreparedPlan, float]:
         from ..library import quantized_library
@@ -162,24 +168,30 @@ class TesseraQuantized(Backend):
         selection = Selector().quantized(request, state)
         if selection.chosen is None:
             raise Skip("no plan of this request has an 8-bit kernel")
-        return prepare(selection.chosen, state), problem.scale
+        self._prepared = prepare(selection.chosen, state)
+        return self._prepared, problem.scale
 
     def convert(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
         if not self.kernel_only:
             return (q, k, v)
         from ..quantized_ops import quantize
 
-        return (q, k, v, quantize(q, k, v, 1.0 / q.shape[-1] ** 0.5))
+        return (q, k, v, quantize(q, k, v, 1.0 / q.shape[-1] ** 0.5, self.pv))
 
     def run(self, prepared: tuple[PreparedPlan, float], inputs: Inputs) -> torch.Tensor:
         from ..quantized_ops import run_quantized
 
         plan, scale = prepared
         q, k, v = inputs[:3]
-        return run_quantized(plan, q, k, v, scale, False, quantized=inputs[3] if self.kernel_only else None)
+        return run_quantized(plan, q, k, v, scale, False, quantized=inputs[3] if self.kernel_only else None,
+                             pv=self.pv)
 
     def request(self, problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return Runtime().attention(q, k, v, problem.mask, scale=problem.scale, precision="int8")
+        if self.pv == DEFAULT_PV:
+            return Runtime().attention(q, k, v, problem.mask, scale=problem.scale, precision="int8")
+        from ..quantized_ops import run_quantized
+
+        return run_quantized(self._prepared, q, k, v, problem.scale, False, pv=self.pv)
 
     @staticmethod
     def chosen_plan(prepared: tuple[PreparedPlan, float]) -> str:

@@ -22,7 +22,7 @@ from tessera_diffusers import (
 )
 from tessera_diffusers.catalog import all_kernels
 from tessera_diffusers.eligibility import rejection
-from tessera_diffusers.kernel_table import quantized_rows
+from tessera_diffusers.kernel_table import pv_format, quantized_rows
 from tessera_diffusers.testing import TEST_GEOMETRIES, device_request, plans_to_check, random_mask, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -64,8 +64,12 @@ def test_the_quantization_pass_is_the_twins(dtype):
     library()
     q, k, v = offset_qkv(2, 1000, 777, 3, dtype, seed=3)
     scale = 1 / math.sqrt(128)
-    got = quantized_ops.quantize(q, k, v, scale)
+    got = quantized_ops.quantize(q, k, v, scale, pv="int8")
     want = quantized.quantize(q, k, v, scale)
+    without_v = quantized_ops.quantize(q, k, v, scale, pv="bf16")  # Q and K alike, no V
+    assert without_v.v8 is None and without_v.v_scale is None and without_v.v_mean is None
+    for name in ("q8", "q_scale", "k8", "k_scale", "k_mean", "lse_shift"):
+        assert torch.equal(getattr(without_v, name), getattr(got, name)), name
     close_integers(got.q8, want.q.transpose(1, 2))
     close_integers(got.k8[:, :, :777], want.k.transpose(1, 2))
     assert not bool(got.k8[:, :, 777:].any()) and not bool(got.k_scale[:, :, 777:].any())
@@ -93,6 +97,7 @@ def test_every_8bit_entry_on_every_family(name):
     if name not in lib.kernel_ids:
         pytest.skip(f"{name} is not in this build")
     kernel = base_kernel(name)
+    pv = pv_format(next(r for r in quantized_rows() if r.name == name))
     failures, checked = [], 0
     for gi, (bq, bkv) in enumerate(TEST_GEOMETRIES):
         seq_q, seq_kv = 7 * bq + bq // 2 + 3, 9 * bkv - 5  # partial last blocks on both axes
@@ -100,14 +105,14 @@ def test_every_8bit_entry_on_every_family(name):
         q, k, v = offset_qkv(2, seq_q, seq_kv, 3, kernel.torch_dtype, seed=gi)
         scale = 1 / math.sqrt(128)
         oracle, oracle_lse = reference.attention(q.float(), k.float(), v.float(), mask, scale, True)
-        twin = quantized.attention(q, k, v, mask, scale)
-        x = quantized_ops.quantize(q, k, v, scale)
+        twin = quantized.attention(q, k, v, mask, scale, pv=pv)
+        x = quantized_ops.quantize(q, k, v, scale, pv)
         empty = torch.isinf(oracle_lse)  # [B, H, Sq]: rows with no active key
         for plan in plans_to_check(kernel, bq, bkv):
             if rejection(plan, device_request(q, k, mask, plan)) is not None:
                 continue
             prepared = prepare(plan, build_mask_state(mask))
-            out, lse = quantized_ops.run_quantized(prepared, q, k, v, scale, True, quantized=x)
+            out, lse = quantized_ops.run_quantized(prepared, q, k, v, scale, True, quantized=x, pv=pv)
             checked += 1
             fit = quantized.agreement(out, oracle)
             to_twin = quantized.agreement(out, twin.float())
@@ -146,7 +151,8 @@ def test_a_request_writes_every_row_and_bad_inputs_are_refused():
         quantized_ops.run_quantized(prepared, q[..., :64], k[..., :64], v[..., :64], 0.125, False)
 
 
-def test_sharp_queries_and_outlier_keys_stay_finite_and_within_the_budget():
+@pytest.mark.parametrize("pv", ["int8", "bf16"])
+def test_sharp_queries_and_outlier_keys_stay_finite_and_within_the_budget(pv):
     # Heavy tails as real activations have them: queries 2x sharper and every 1,024th key 8x
     # larger, so whole KV tiles sit far below their rows' maxima (steps that underflow) and a few
     # keys dominate their tokens' scales. The twin measures 0.026 relative L2 on such inputs.
@@ -164,7 +170,7 @@ def test_sharp_queries_and_outlier_keys_stay_finite_and_within_the_budget():
     q, k, v = (t.to(kernel.torch_dtype) for t in (q, k, v))
     plan = PhysicalPlan(128, 128, KvLayout.CONTIGUOUS, TaskOrganization(Traversal.LONGEST_FIRST, 1), kernel)
     prepared = prepare(plan, build_mask_state(mask))
-    out = quantized_ops.run_quantized(prepared, q, k, v, 1 / math.sqrt(128), False)
+    out = quantized_ops.run_quantized(prepared, q, k, v, 1 / math.sqrt(128), False, pv=pv)
     oracle = reference.attention(q.float(), k.float(), v.float(), mask, 1 / math.sqrt(128))
     assert bool(torch.isfinite(out).all())
     fit = quantized.agreement(out, oracle)

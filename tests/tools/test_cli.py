@@ -171,7 +171,7 @@ def test_explain_shows_an_8bit_request_and_its_8bit_kernel(capsys):
     out = capsys.readouterr().out
     assert "/int8 " in out and "precision int8" in out
     chosen = next(line for line in out.splitlines() if line.startswith("chosen"))
-    assert "_hopper_" in chosen and "(8-bit kernel hopper8_t128x128_d128_bf16_" in chosen
+    assert "_hopper_" in chosen and "(8-bit kernel hopper8qk_t128x128_d128_bf16_" in chosen
     assert "keeps its plan" in out
     assert call("tessera", argv[:-2]) == 0
     assert "precision" not in capsys.readouterr().out

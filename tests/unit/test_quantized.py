@@ -167,6 +167,41 @@ def test_v_tokens_undoes_the_chunk_layout():
     assert torch.equal(x.v_tokens(), v)
 
 
+def test_each_p_v_format_has_a_kernel_for_every_8bit_tile_and_the_product_runs_the_16bit_one():
+    from tessera_diffusers.catalog import all_kernels, quantized_kernel
+    from tessera_diffusers.kernel_table import DEFAULT_PV, QUANTIZED_FAMILIES, pv_format, quantized_rows
+
+    assert DEFAULT_PV == "bf16" and set(QUANTIZED_FAMILIES) == {"int8", "bf16"}
+    shapes = {pv: {(r.tile_q, r.tile_kv, r.head_dim, r.dtype, r.stages) for r in quantized_rows() if pv_format(r) == pv}
+              for pv in QUANTIZED_FAMILIES}
+    assert shapes["int8"] == shapes["bf16"] and shapes["int8"]
+    hopper = [k for k in all_kernels() if k.family.value == "hopper" and quantized_kernel(k) is not None]
+    assert hopper
+    for spec in hopper:
+        assert quantized_kernel(spec).family == QUANTIZED_FAMILIES[DEFAULT_PV]
+        assert quantized_kernel(spec, "int8").family == "hopper8"
+        assert quantized_kernel(spec, "int8").tile_q == quantized_kernel(spec).tile_q == spec.tile_q
+
+
+def test_the_native_pass_and_kernels_refuse_an_unknown_p_v_format():
+    from tessera_diffusers import quantized_ops
+
+    q, k, v, _ = request(64, 64)
+    with pytest.raises(InvalidArgumentError, match="pv"):
+        quantized_ops.quantize(q, k, v, 0.1, pv="fp8")
+    with pytest.raises(InvalidArgumentError, match="pv"):
+        quantized_ops.run_quantized(None, q, k, v, 0.1, False, pv="int4")
+
+
+def test_the_bench_names_each_p_v_format():
+    from tessera_diffusers.bench.harness import make_backend
+
+    for name, pv, kernel_only in [("tessera-int8", "bf16", False), ("tessera-int8-kernel", "bf16", True),
+                                  ("tessera-int8pv", "int8", False), ("tessera-int8pv-kernel", "int8", True)]:
+        backend = make_backend(name)
+        assert (backend.name, backend.pv, backend.kernel_only) == (name, pv, kernel_only)
+
+
 def test_an_8bit_request_has_its_own_key_and_unknown_precisions_are_refused():
     from tessera_diffusers.plans import Request
     from tessera_diffusers.runtime import make_request
