@@ -8,7 +8,7 @@ Hopper's 8-bit tensor cores (INT8 and FP8) run at twice the bf16 rate. Per ``(ba
   first (``k_mean``): a channel offset shared by every key shifts a row's scores by a constant,
   which the softmax ignores, but it would set every token's scale and crush its other channels. The
   log-sum-exp gets the shift back (``lse_shift``).
-- ``P V`` in INT8 (``pv="int8"``, the default): the probabilities of a row within one KV tile of
+- ``P V`` in INT8 (``pv="int8"``): the probabilities of a row within one KV tile of
   ``kv_tile`` keys are unsigned 8-bit numbers of the tile's own maximum,
   ``p8 = round(255 * p / max_tile p)``; V is signed 8-bit with a scale per channel, after losing its
   mean over tokens (added back after normalising, since each row's weights sum to 1). The product of
@@ -16,12 +16,15 @@ Hopper's 8-bit tensor cores (INT8 and FP8) run at twice the bf16 rate. Per ``(ba
   kernel, ``max_tile p = exp(m_tile - m_running)`` comes from the online softmax's own tile maximum,
   so the rounding of P does not depend on the order the tiles run in.
 - ``pv="fp8"``, for comparison: P times 448 and V per channel in FP8 e4m3 (3 mantissa bits).
-- ``pv="bf16"``, for comparison: P and V in bf16 (INT8 Q K^T only; a P V product the tensor
-  cores accumulate in fp32 at the 16-bit rate).
+- ``pv="bf16"``, what ``precision="int8"`` runs (``kernel_table.DEFAULT_PV``, the default here): P
+  and V in bf16 (INT8 Q K^T only; a P V product the tensor cores accumulate in fp32 at the 16-bit
+  rate; a kernel keeps V in the inputs' 16-bit type). Its kernels measured as fast as INT8 P V's
+  with about half the error (``docs/results.md``).
 
 The row sums add up the rounded probabilities for int8 (the weights the product applies: they sum
 to 1, so V's mean comes back exactly), the probabilities before rounding for fp8 and bf16. Measured on
-random inputs (``docs/results.md``), INT8 P V errs about a third as much as FP8 P V. ``attention``
+random inputs (``docs/results.md``), INT8 P V errs about a third as much as FP8 P V, bf16 P V
+about a quarter. ``attention``
 is the twin: the same arithmetic with the softmax in one pass, its KV tiles ``kv_tile`` consecutive
 keys of the key blocks a chunk of query blocks needs (a kernel's are its plan's KV tiles). Empty
 rows give 0 and -inf as in ``reference.attention``. Inputs must be finite (a +inf or NaN in K or V
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidArgumentError
+from .kernel_table import DEFAULT_PV
 from .mask import LogicalMask
 from .reference import row_chunks
 from .validation import check_inputs
@@ -83,7 +87,7 @@ def per_channel(x: torch.Tensor, top: float) -> torch.Tensor:
     return torch.where(amax > 0, amax / top, torch.ones_like(amax))
 
 
-def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv: str = "int8",
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv: str = DEFAULT_PV,
              smooth_k: bool = True) -> QuantizedInputs:
     """Quantize a checked request's q ``[B, Sq, H, D]``, k and v ``[B, Skv, H, D]``
     (``smooth_k=False`` keeps K's mean in, to measure what it is worth)."""
@@ -110,7 +114,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LogicalMask, scale: float | None = None,
-              return_lse: bool = False, pv: str = "int8", kv_tile: int = 128,
+              return_lse: bool = False, pv: str = DEFAULT_PV, kv_tile: int = 128,
               smooth_k: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-masked 8-bit attention as the 8-bit kernels compute it (module docstring), in q's dtype.
 

@@ -65,7 +65,7 @@ def test_the_quantization_pass_is_the_twins(dtype):
     q, k, v = offset_qkv(2, 1000, 777, 3, dtype, seed=3)
     scale = 1 / math.sqrt(128)
     got = quantized_ops.quantize(q, k, v, scale, pv="int8")
-    want = quantized.quantize(q, k, v, scale)
+    want = quantized.quantize(q, k, v, scale, pv="int8")
     without_v = quantized_ops.quantize(q, k, v, scale, pv="bf16")  # Q and K alike, no V
     assert without_v.v8 is None and without_v.v_scale is None and without_v.v_mean is None
     for name in ("q8", "q_scale", "k8", "k_scale", "k_mean", "lse_shift"):

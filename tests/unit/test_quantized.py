@@ -11,6 +11,7 @@ import torch
 
 from tessera_diffusers import quantized, reference
 from tessera_diffusers.errors import InvalidArgumentError
+from tessera_diffusers.kernel_table import DEFAULT_PV
 from tessera_diffusers.testing import TEST_GEOMETRIES, random_mask, random_qkv
 
 SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 600, 700, 2, 128
@@ -27,11 +28,12 @@ def with_channel_offsets(x: torch.Tensor, offset: float, every: int) -> torch.Te
     return (x.float() + offset * (torch.arange(x.shape[-1]) % every == 0)).to(x.dtype)
 
 
+@pytest.mark.parametrize("pv", ["bf16", "int8"])
 @pytest.mark.parametrize("geometry", TEST_GEOMETRIES, ids=lambda g: f"Q{g[0]}K{g[1]}")
-def test_int8_attention_meets_the_budget_on_every_geometry(geometry):
+def test_int8_attention_meets_the_budget_on_every_geometry(geometry, pv):
     q, k, v, mask = request(*geometry)
     oracle, oracle_lse = reference.attention(q, k, v, mask, return_lse=True, out_dtype=torch.float32)
-    out, lse = quantized.attention(q, k, v, mask, return_lse=True)
+    out, lse = quantized.attention(q, k, v, mask, return_lse=True, pv=pv)
     assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == oracle_lse.shape
     agreement = quantized.agreement(out, oracle)
     assert agreement.within_budget(), agreement
@@ -85,11 +87,12 @@ def test_bf16_p_v_leaves_the_int8_q_k_share_of_the_error():
     assert bf16.relative_l2 > 2 * rounding.relative_l2
     x = quantized.quantize(q, k, v, 0.125, pv="bf16")
     assert x.pv == "bf16" and x.v.dtype == torch.bfloat16 and bool((x.v_scale == 1).all())
+    assert quantized.quantize(q, k, v, 0.125).pv == DEFAULT_PV  # the twin's default is what precision="int8" runs
 
 
 def test_quantized_inputs_round_within_half_a_step():
     q, k, v, _ = request(64, 64)
-    x = quantized.quantize(q, k, v, 1 / math.sqrt(HEAD_DIM))
+    x = quantized.quantize(q, k, v, 1 / math.sqrt(HEAD_DIM), pv="int8")
     assert (x.q.dtype, x.k.dtype, x.v.dtype) == (torch.int8, torch.int8, torch.int8)
     assert int(x.q.abs().max()) == 127 and int(x.k.abs().max()) == 127  # each token uses the full range
     assert bool(((x.q.float() * x.q_scale.unsqueeze(-1) - q.float()).abs() <= x.q_scale.unsqueeze(-1) / 2 + 1e-6).all())
