@@ -20,8 +20,8 @@ Environment: ``TESSERA_CUDA_ARCHS`` ("80;90" by default; "none" skips the build)
 from __future__ import annotations
 
 import argparse
-import glob
 import concurrent.futures
+import glob
 import hashlib
 import importlib.util
 import json
@@ -242,7 +242,7 @@ def cutlass_include() -> str | None:
     spec = importlib.util.find_spec("cutlass_library")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "source", "include")
     return path if os.path.isdir(os.path.join(path, "cute")) else None
 
 
@@ -251,7 +251,7 @@ def compile_one(nvcc: str, source: str, obj: str, flags: list[str], stamp: str =
     (``command_stamp``: what made it) to ``obj.cmd``; ``(source, seconds, stderr)``."""
     start = time.time()
     cmd = [nvcc, "-c", source, "-o", obj, "-MD", "-MF", obj + ".d"] + flags
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {os.path.basename(source)}:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
     with open(obj + ".cmd", "w") as f:
@@ -367,7 +367,7 @@ def build_native_library(
 
     lib = os.path.join(out_dir, LIBRARY_NAME)
     link = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-o", lib] + objects
-    proc = subprocess.run(link, capture_output=True, text=True)
+    proc = subprocess.run(link, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"link failed:\n{' '.join(link)}\n{proc.stderr[-4000:]}")
     with open(os.path.join(build_dir, "ptxas.log"), "w") as f:
@@ -427,7 +427,7 @@ def common_flags(gen_dir: str, cutlass: str | None) -> list[str]:
 
 
 def nvcc_version_line(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
 
 
 def planned_source_hashes(archs: str | None = None) -> dict[str, str]:

@@ -157,7 +157,7 @@ def pool_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
     """Mean over blocks of ``block`` consecutive tokens (last one partial).
 
     ``x [B, S, H, D]`` -> pooled ``[B, H, n, D]`` fp32 and tokens per block ``[n]`` int64."""
-    batch, seq, heads, dim = x.shape
+    seq = x.shape[1]
     n_full, rest = divmod(seq, block)
     parts = []
     if n_full:

@@ -128,7 +128,7 @@ class TileLayout:
     def pool_tiles(self, x: torch.Tensor) -> torch.Tensor:
         """Mean of each tile: ``x [B, S, H, D]`` in layout order -> ``[B, H, nT, D]`` fp32."""
         t = self.tensors(x.device)
-        batch, seq, heads, dim = x.shape
+        batch, _seq, heads, dim = x.shape
         n_full, volume = self.num_full_tiles, self.tile_volume
         parts = []
         if n_full:

@@ -31,7 +31,7 @@ from tessera_diffusers.processors.tiny import (
 from tessera_diffusers import InvalidArgumentError
 from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier
 
-TOL = dict(rtol=1e-5, atol=1e-5)
+TOL = {"rtol": 1e-5, "atol": 1e-5}
 GRIDS = [(3, 8, 6), (1, 8, 6), (3, 1, 6), (3, 8, 1), (1, 1, 6), (3, 1, 1), (1, 8, 1), (1, 1, 1), (21, 45, 80)]
 
 
@@ -318,7 +318,7 @@ def test_installed_after_a_pipeline_run_the_steps_of_both_branches_stay_right():
     # HunyuanVideo-1.5's pipeline names its branches but gives no step index: counted per branch.
     steps = 3
     pipe = tiny_hunyuan_video15_pipeline()
-    call = dict(height=64, width=64, num_frames=5, num_inference_steps=steps, output_type="latent")
+    call = {"height": 64, "width": 64, "num_frames": 5, "num_inference_steps": steps, "output_type": "latent"}
     pipe(**hunyuan_video15_prompt_inputs(), **call, generator=torch.Generator().manual_seed(0))  # stock first
     log = MaskLog(sparse_sparsifier())
     pipe.transformer.set_attn_processor(TesseraProcessor(log))

@@ -33,7 +33,7 @@ from tessera_diffusers.sparsifiers import (
     tile_layout,
 )
 
-TOL = dict(rtol=1e-5, atol=1e-5)
+TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def run(model, inputs) -> torch.Tensor:
@@ -64,10 +64,10 @@ def test_wan_i2v_all_active_equals_stock():
 @pytest.mark.parametrize(
     "case",
     [
-        dict(batch=1, valid=(3,), valid_2=(2,)),
-        dict(batch=2, valid=(3, 5), valid_2=(2, 0)),  # different valid text per sample
-        dict(batch=2, valid=(6,), valid_2=(4,), image=True),  # no padding at all, I2V image tokens
-        dict(batch=1, valid=(0,), valid_2=(0,)),  # no valid text
+        {"batch": 1, "valid": (3,), "valid_2": (2,)},
+        {"batch": 2, "valid": (3, 5), "valid_2": (2, 0)},  # different valid text per sample
+        {"batch": 2, "valid": (6,), "valid_2": (4,), "image": True},  # no padding at all, I2V image tokens
+        {"batch": 1, "valid": (0,), "valid_2": (0,)},  # no valid text
     ],
     ids=["padded", "per-sample", "i2v-full", "no-text"],
 )

@@ -507,12 +507,12 @@ def test_report_commit_only_for_the_top_of_a_checkout(tmp_path) -> None:
     outer = tmp_path / "outer"
     inner = outer / "copy"
     inner.mkdir(parents=True)
-    run = {"cwd": outer, "check": True, "capture_output": True}
-    subprocess.run(["git", "init", "-q"], **run)
+    run = {"cwd": outer, "capture_output": True}
+    subprocess.run(["git", "init", "-q"], check=True, **run)
     (outer / "f").write_text("x")
-    subprocess.run(["git", "add", "f"], **run)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"], **run)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True, **run).stdout.strip()
+    subprocess.run(["git", "add", "f"], check=True, **run)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"], check=True, **run)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True, check=True, **run).stdout.strip()
     assert source_commit(outer) == head
     assert source_commit(inner) is None
     assert source_commit(tmp_path) is None

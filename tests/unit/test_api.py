@@ -33,6 +33,7 @@ def test_api_matches_oracle_and_forced_plan():
     out, lse = block_sparse_attention(q, k, v, mask, return_lse=True)
     ref, ref_lse = reference.attention(q, k, v, mask, return_lse=True)
     torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
     plan = PhysicalPlan(32, 16, KvLayout.PACKED, TaskOrganization(num_splits=2), reference_kernel(32, "fp32", 64, 64))
     forced = block_sparse_attention(q, k, v, mask, plan=plan)
     torch.testing.assert_close(forced, ref, atol=1e-5, rtol=1e-4)

@@ -245,11 +245,11 @@ def test_native_smoke_subset_compiles_and_links(tmp_path):
     """Build breaks cannot land: compile and link two catalog entries (one per dtype) for sm90."""
     command = [sys.executable, os.path.join(ROOT, "csrc", "build_native.py"), "--archs", "90", "--jobs", "2",
                "--only", "t64x128_d128_(bf16|fp16)_s2|hopper8_t128x128_d128_bf16_s2", "--out", str(tmp_path / "lib"), "--build-dir", str(tmp_path / "b")]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "lib" / "libtessera_kernels.so").stat().st_size > 0
     log = (tmp_path / "b" / "ptxas.log").read_text()
-    again = subprocess.run(command, capture_output=True, text=True, timeout=600)  # nothing changed: relink only
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)  # nothing changed: relink only
     assert again.returncode == 0 and "compiling 0 of" in again.stdout, again.stdout[-3000:]
     assert (tmp_path / "b" / "ptxas.log").read_text().count("(reused)") == log.count("\n== ") + 1
     assert "bytes spill stores" in log

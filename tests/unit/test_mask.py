@@ -21,16 +21,16 @@ def test_from_blocks_ranks_and_defaults():
 @pytest.mark.parametrize(
     "kwargs, argument",
     [
-        (dict(block_q=24), "block_q"),
-        (dict(block_q=0), "block_q"),
-        (dict(block_kv=528), "block_kv"),
-        (dict(block_kv=16.0), "block_kv"),
-        (dict(seq_len_q=0), "seq_len_q"),
-        (dict(seq_len_kv=-3), "seq_len_kv"),
+        ({"block_q": 24}, "block_q"),
+        ({"block_q": 0}, "block_q"),
+        ({"block_kv": 528}, "block_kv"),
+        ({"block_kv": 16.0}, "block_kv"),
+        ({"seq_len_q": 0}, "seq_len_q"),
+        ({"seq_len_kv": -3}, "seq_len_kv"),
     ],
 )
 def test_bad_geometry_is_named(kwargs, argument):
-    base = dict(blocks=torch.ones(1, 1, 4, 4, dtype=torch.bool), block_q=16, block_kv=16, seq_len_q=64, seq_len_kv=64)
+    base = {"blocks": torch.ones(1, 1, 4, 4, dtype=torch.bool), "block_q": 16, "block_kv": 16, "seq_len_q": 64, "seq_len_kv": 64}
     base.update(kwargs)
     with pytest.raises(MaskError) as info:
         LogicalMask(**base)

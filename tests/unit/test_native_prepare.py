@@ -494,7 +494,7 @@ def test_default_compaction_policy():
 
     mask = random_mask(1, 3, 1000, 1100, 64, 32, density=0.2, seed=4)
     plan = PhysicalPlan(64, 32, KvLayout.PACKED, TaskOrganization(), reference_kernel(16, "fp32", 128, 128))
-    n_qt, cap = -(-1000 // 128), -(-(-(-1100 // 32)) // 4)
+    n_qt, cap = math.ceil(1000 / 128), math.ceil(math.ceil(1100 / 32) / 4)
     assert worst_case_metadata_bytes(plan, mask) == 3 * n_qt * cap * (8 + 4 * 4)
     state = build_mask_state(mask)
     assert prepare(plan, state).capacity == prepare(plan, state, compact=True).capacity < cap
