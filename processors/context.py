@@ -30,6 +30,7 @@ denoising step and the guidance branch — and how the processor learns them.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import weakref
 from collections import OrderedDict
@@ -222,7 +223,7 @@ def wraps_match(table: torch.Tensor, grid: LatentGrid, strides: list[int]) -> bo
     """Whether the tokens where ``grid``'s width and height wrap (and the last one) move exactly the
     channels of their non-zero coordinates, as the table of ``grid`` would."""
     seq = table.shape[0]
-    frames, height, width = grid.as_tuple()
+    _, height, width = grid.as_tuple()
     tokens = sorted({t for t in (1, width - 1, width, height * width - 1, height * width, seq - 1) if 0 < t < seq})
     if not tokens:
         return True
@@ -265,7 +266,7 @@ def _grid_of_runs(runs: list[int], seq: int) -> LatentGrid | None:
     """The grid of the channel runs of a (frames | height | width) table (``seq`` = never moves)."""
     never = seq
     moving = [r for r in runs if r != never]
-    if any(a <= b for a, b in zip(moving, moving[1:])) or (moving and moving[-1] != 1) or len(runs) > 3:
+    if any(a <= b for a, b in itertools.pairwise(moving)) or (moving and moving[-1] != 1) or len(runs) > 3:
         return None
     # Which axes the moving runs are: all three when there are three runs; with fewer, the runs of
     # size-1 axes merged, and their place (before, between or after) tells which axes they were.
