@@ -443,6 +443,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
                          unit, prob_w);
         unit[0] *= kUnitScale;
         unit[1] *= kUnitScale;
+        __syncwarp();  // every lane's ld.shared of the stage's K scales before the one arrival
         release(&bar.k_empty[read_k.stage]);
         read_k.advance();
         if (i == n - 1) release(&bar.q_empty[qs]);
@@ -562,6 +563,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
       };
       auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
         warpgroup_fence_operand(s);
+        __syncwarp();  // every lane's ld.shared of the stage's K scales before the one arrival
         release(&bar.k_empty[read_k.stage]);
         read_k.advance();
         if (i == n - 1) release(&bar.q_empty[qs]);
