@@ -3,9 +3,10 @@
 The arithmetic is ``quantized.py``'s (its twin is the CPU oracle of these kernels). A request runs
 as: ``quantize`` (one pass over q, k and, for an 8-bit P V, v: int8 copies, per-token and
 per-channel scales, the means and the log-sum-exp shift), then the 8-bit kernel of the P V format
-(``kernel_table.QUANTIZED_FAMILIES``; ``DEFAULT_PV`` for precision="int8") over a prepared plan of the 16-bit catalog whose
-tile it has (``catalog.quantized_kernel``): the same metadata, tasks and split-K merge. The quantized tensors are
-the kernels' own layouts (``csrc/include/tessera/quantized/params.h``).
+(``kernel_table.QUANTIZED_FAMILIES``; ``DEFAULT_PV`` for precision="int8") over a prepared plan of
+the 16-bit catalog whose tile it has (``catalog.quantized_kernel``): the same metadata, tasks and
+split-K merge. The quantized tensors are the kernels' own layouts
+(``csrc/include/tessera/quantized/params.h``).
 """
 
 from __future__ import annotations
