@@ -29,10 +29,9 @@ extern "C" {
 #define TESSERA_V_CHUNK_TOKEN(j) (8 * (((j) & 3) >> 1) + 2 * ((j) >> 2) + ((j) & 1))
 
 typedef struct TesseraQuantizedParams {
-  TesseraAttnParams attn;  // q, k, v: q8, k8 (their strides unused) and v8 (unused strides), or for a
-                           // kernel with a 16-bit P V the request's 16-bit v with its strides; o, lse,
-                           // split-K parts and the plan's metadata as for the 16-bit kernels;
-                           // task_counter must be NULL
+  TesseraAttnParams attn;  // q, k, v: q8, k8, v8 (their strides unused); for a kernel with a 16-bit
+                           // P V, v is the request's 16-bit V with its strides; o, lse, split-K parts
+                           // and the plan's metadata as for the 16-bit kernels; task_counter NULL
   const float* q_scale;
   const float* k_scale;
   const float* v_scale;
