@@ -22,7 +22,8 @@
 
 #include <cute/arch/copy_sm90_tma.hpp>
 
-#include "tessera/hopper/epilogue.cuh"  // row_outputs, store_lse
+#include "tessera/hopper/attention.cuh"  // TiledMmas, make_views
+#include "tessera/hopper/epilogue.cuh"   // row_outputs, store_lse
 #include "tessera/hopper/mainloop.cuh"  // wgmma_issue, mask_scores, PingPong
 #include "tessera/hopper/pipeline.cuh"  // barriers, PipeState
 #include "tessera/quantized/params.h"
@@ -381,31 +382,39 @@ __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, c
   hopper::store_lse(p, t, r);
 }
 
+// One lane per warp arrives on a consumer release (the lane test kept in a register, not read
+// again from the thread index on every release).
+struct LaneRelease {
+  bool lane0 = cute::elect_one_sync();
+  __device__ __forceinline__ void operator()(uint64_t* barrier) const {
+    if (lane0) Barrier::arrive(barrier);
+  }
+};
+
+// This consumer thread's views (hopper::ConsumerViews): wgmma descriptors over the Q buffers, the K
+// and the V^T stages, the coordinates of its score and output values, its rows and first column.
+template <class T, class SmemQ, class SmemK, class SmemVt>
+__device__ __forceinline__ auto consumer_views(hopper::TiledMmas<T>& mmas, int ctid, SmemQ& sQ, SmemK& sK,
+                                               SmemVt& sVt) {
+  auto thr_qk = mmas.qk.get_thread_slice(ctid);
+  auto thr_pv = mmas.pv.get_thread_slice(ctid);
+  return hopper::make_views(thr_qk.partition_fragment_A(sQ), thr_qk.partition_fragment_B(sK),
+                            thr_pv.partition_fragment_B(sVt),
+                            thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kTileKV>>{})),
+                            thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{})));
+}
+
 template <class T, class SmemQ, class SmemK, class SmemVt>
 __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK& sK, SmemVt& sVt,
                               uint32_t ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
   const TesseraAttnParams& p = qp.attn;
   const int ctid = threadIdx.x - T::kProducerThreads;
-  // One lane per warp arrives on a consumer release (the lane test kept in a register, not read
-  // again from the thread index on every release).
-  const bool lane0 = cute::elect_one_sync();
-  auto release = [lane0](uint64_t* barrier) {
-    if (lane0) Barrier::arrive(barrier);
-  };
-  typename T::MmaQK mma_qk;
-  typename T::MmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(ctid);
-  auto thr_pv = mma_pv.get_thread_slice(ctid);
-  Tensor tQ = thr_qk.partition_fragment_A(sQ);    // descriptors (MMA, MMA_M, MMA_K, Q BUFFERS)
-  Tensor tK = thr_qk.partition_fragment_B(sK);    // descriptors (MMA, MMA_N, MMA_K, STAGES)
-  Tensor tVt = thr_pv.partition_fragment_B(sVt);  // descriptors (MMA, MMA_N, MMA_K, STAGES)
-  const Tensor coords_s = thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kTileKV>>{}));
-  const Tensor coords_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{}));
-  const int row_of_half[2] = {int(get<0>(coords_s(0))), int(get<0>(coords_s(2)))};
-  const int lane_col = int(get<1>(coords_s(0)));
+  const LaneRelease release;
+  hopper::TiledMmas<T> mmas;
+  const auto views = consumer_views<T>(mmas, ctid, sQ, sK, sVt);
 
-  Tensor s = partition_fragment_C(mma_qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});  // int32
-  Tensor oi = partition_fragment_C(mma_pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{});  // int32, one tile
+  Tensor s = partition_fragment_C(mmas.qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});  // int32
+  Tensor oi = partition_fragment_C(mmas.pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{});  // int32, one tile
   Tensor o = make_fragment_like<float>(oi);
   // P in the register layout of the 8-bit A operand: ((4, 2, 2), 1, kTileKV / 32) bytes; word w
   // holds score values e0, e0 + 1, e0 + 4, e0 + 5 (e0 = 2 (w & 1) + 8 (w >> 1)), and v8's token
@@ -428,18 +437,18 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
     clear(o);
     if (n > 0) {
       float rf[2];
-      row_factors<T>(qp, t, row_of_half, rf);
+      row_factors<T>(qp, t, views.row_of_half, rf);
       const int qs = read_q.stage;
       Barrier::wait(&bar.q_full[qs], read_q.phase);
       float alpha[2], unit[2];
       TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
       float2 ks[kBlocks];
       auto k_scales = [&]() {  // before the wait on S_i: its K stage has landed (issue_scores waited)
-        load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), lane_col, ks);
+        load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), views.lane_col, ks);
       };
       auto scores = [&](int i) {  // S_i landed: K released, softmax into P
         warpgroup_fence_operand(s);
-        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks, lane_col, row_of_half, rf, row_max, row_sum, alpha,
+        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
                          unit, prob_w);
         unit[0] *= kUnitScale;
         unit[1] *= kUnitScale;
@@ -450,11 +459,11 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       };
       auto issue_scores = [&]() {
         Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);
-        hopper::wgmma_issue<true>(mma_qk, tQ(_, _, _, qs), tK(_, _, _, read_k.stage), s);
+        hopper::wgmma_issue<true>(mmas.qk, views.q(_, _, _, qs), views.k(_, _, _, read_k.stage), s);
       };
       auto issue_pv = [&]() {
         Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
-        hopper::wgmma_issue<true>(mma_pv, prob, tVt(_, _, _, read_v.stage), oi);
+        hopper::wgmma_issue<true>(mmas.pv, prob, views.vt(_, _, _, read_v.stage), oi);
       };
       auto pv_done = [&]() {
         warpgroup_fence_operand(oi);
@@ -494,7 +503,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       pv_done();
       read_q.advance();
     }
-    store_output<T>(qp, t, o, row_max, row_sum, coords_o, row_of_half);
+    store_output<T>(qp, t, o, row_max, row_sum, views.coords_o, views.row_of_half);
   }
 }
 
@@ -507,25 +516,13 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
   using Output = typename T::Output;
   const TesseraAttnParams& p = qp.attn;
   const int ctid = threadIdx.x - T::kProducerThreads;
-  const bool lane0 = cute::elect_one_sync();
-  auto release = [lane0](uint64_t* barrier) {
-    if (lane0) Barrier::arrive(barrier);
-  };
-  typename T::MmaQK mma_qk;
-  typename T::MmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(ctid);
-  auto thr_pv = mma_pv.get_thread_slice(ctid);
-  Tensor tQ = thr_qk.partition_fragment_A(sQ);    // descriptors (MMA, MMA_M, MMA_K, Q BUFFERS)
-  Tensor tK = thr_qk.partition_fragment_B(sK);    // descriptors (MMA, MMA_N, MMA_K, STAGES)
-  Tensor tVt = thr_pv.partition_fragment_B(sVt);  // descriptors (MMA, MMA_N, MMA_K, STAGES)
-  const Tensor coords_s = thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kTileKV>>{}));
-  const Tensor coords_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{}));
-  const int row_of_half[2] = {int(get<0>(coords_s(0))), int(get<0>(coords_s(2)))};
-  const int lane_col = int(get<1>(coords_s(0)));
+  const LaneRelease release;
+  hopper::TiledMmas<T> mmas;
+  const auto views = consumer_views<T>(mmas, ctid, sQ, sK, sVt);
 
-  Tensor s = partition_fragment_C(mma_qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});  // int32
+  Tensor s = partition_fragment_C(mmas.qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});  // int32
   Tensor sf = make_tensor<float>(s.layout());                                          // the tile's P, fp32
-  Tensor o = partition_fragment_C(mma_pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{});  // fp32
+  Tensor o = partition_fragment_C(mmas.pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{});  // fp32
   // P in the register layout of the 16-bit A operand: ((2, 2, 2), 1, N / 16), the same value order as S.
   Tensor prob = make_tensor<Output>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<T::kTileKV / 16>>>{});
   static_assert(decltype(size(prob))::value == decltype(size(s))::value, "a P value per score value");
@@ -544,7 +541,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
     clear(o);
     if (n > 0) {
       float rf[2];
-      row_factors<T>(qp, t, row_of_half, rf);
+      row_factors<T>(qp, t, views.row_of_half, rf);
       const int qs = read_q.stage;
       Barrier::wait(&bar.q_full[qs], read_q.phase);
       float alpha[2];
@@ -552,14 +549,14 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
       float2 ks[kBlocks];
       auto issue_scores = [&]() {
         Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);
-        hopper::wgmma_issue<true>(mma_qk, tQ(_, _, _, qs), tK(_, _, _, read_k.stage), s);
+        hopper::wgmma_issue<true>(mmas.qk, views.q(_, _, _, qs), views.k(_, _, _, read_k.stage), s);
       };
       auto issue_pv = [&]() {
         Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
-        hopper::wgmma_issue<false>(mma_pv, prob, tVt(_, _, _, read_v.stage), o);
+        hopper::wgmma_issue<false>(mmas.pv, prob, views.vt(_, _, _, read_v.stage), o);
       };
       auto k_scales = [&]() {  // its K stage has landed (issue_scores waited)
-        load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), lane_col, ks);
+        load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), views.lane_col, ks);
       };
       auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
         warpgroup_fence_operand(s);
@@ -567,7 +564,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
         release(&bar.k_empty[read_k.stage]);
         read_k.advance();
         if (i == n - 1) release(&bar.q_empty[qs]);
-        softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, lane_col, row_of_half, rf, row_max, row_sum, alpha,
+        softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
                           sf);
       };
       auto pv_done = [&]() {
@@ -609,7 +606,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
       pv_done();
       read_q.advance();
     }
-    store_output<T>(qp, t, o, row_max, row_sum, coords_o, row_of_half);
+    store_output<T>(qp, t, o, row_max, row_sum, views.coords_o, views.row_of_half);
   }
 }
 
