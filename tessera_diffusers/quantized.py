@@ -26,9 +26,8 @@ to 1, so V's mean comes back exactly), the probabilities before rounding for fp8
 random inputs (``docs/results.md``), INT8 P V errs about a third as much as FP8 P V, bf16 P V
 about a quarter. ``attention`` is the twin: the same arithmetic with the softmax in one pass, its
 KV tiles ``kv_tile`` consecutive keys of the key blocks a chunk of query blocks needs (a kernel's
-are its plan's KV tiles). Empty
-rows give 0 and -inf as in ``reference.attention``. Inputs must be finite (a +inf or NaN in K or V
-would reach every row through the means and the channel scales).
+are its plan's KV tiles). Empty rows give 0 and -inf as in ``reference.attention``. Inputs must be
+finite (a +inf or NaN in K or V would reach every row through the means and the channel scales).
 """
 
 from __future__ import annotations
