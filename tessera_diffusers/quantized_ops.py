@@ -71,6 +71,7 @@ class QuantizedTensors:
 
 
 def check_pv(pv: str) -> None:
+    """Refuse a P V format the 8-bit kernels do not have (``InvalidArgumentError`` naming ``pv``)."""
     if pv not in QUANTIZED_FAMILIES:
         raise InvalidArgumentError("pv", f"one of {tuple(QUANTIZED_FAMILIES)}", repr(pv))
 
