@@ -382,7 +382,7 @@ __device__ __forceinline__ void store_output(const TesseraQuantizedParams& qp, c
   hopper::store_lse(p, t, r);
 }
 
-// One lane per warp arrives on a consumer release (the lane test kept in a register, not read
+// One lane per warp arrives on the V and Q releases (the lane test kept in a register, not read
 // again from the thread index on every release).
 struct LaneRelease {
   bool lane0 = cute::elect_one_sync();
@@ -452,8 +452,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
                          unit, prob_w);
         unit[0] *= kUnitScale;
         unit[1] *= kUnitScale;
-        __syncwarp();  // every lane's ld.shared of the stage's K scales before the one arrival
-        release(&bar.k_empty[read_k.stage]);
+        Barrier::arrive(&bar.k_empty[read_k.stage]);  // every thread, after its own reads of the K scales
         read_k.advance();
         if (i == n - 1) release(&bar.q_empty[qs]);
       };
@@ -560,8 +559,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
       };
       auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
         warpgroup_fence_operand(s);
-        __syncwarp();  // every lane's ld.shared of the stage's K scales before the one arrival
-        release(&bar.k_empty[read_k.stage]);
+        Barrier::arrive(&bar.k_empty[read_k.stage]);  // every thread, after its own reads of the K scales
         read_k.advance();
         if (i == n - 1) release(&bar.q_empty[qs]);
         softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
@@ -610,6 +608,24 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
   }
 }
 
+// The barriers as PipelineBarriers::init sets them for a static schedule, but k_empty counts
+// consumer threads: each reads its K scales from the stage with generic loads, and an arrival
+// releases only the arriving thread's own reads, so every thread arrives after its reads.
+template <class T>
+__device__ void init_barriers(PipelineBarriers<T::kStages, T::kQStages>& bar) {
+  for (int s = 0; s < T::kQStages; ++s) {
+    Barrier::init(&bar.q_full[s], 1);
+    Barrier::init(&bar.q_empty[s], T::kConsumerWarps);
+  }
+  for (int s = 0; s < T::kStages; ++s) {
+    Barrier::init(&bar.k_full[s], 1);
+    Barrier::init(&bar.k_empty[s], T::kConsumerThreads);
+    Barrier::init(&bar.v_full[s], 1);
+    Barrier::init(&bar.v_empty[s], T::kConsumerWarps);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     attention_kernel(const __grid_constant__ TesseraQuantizedParams qp, const __grid_constant__ TmaMaps tma) {
@@ -621,7 +637,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<typename T::VElement*>(base + T::kSmemVOffset)),
                            typename T::SmemLayoutVt{});
   __shared__ PipelineBarriers<T::kStages, T::kQStages> bar;
-  if (threadIdx.x == 0) bar.init(1, T::kConsumerWarps, T::kConsumerWarps);
+  if (threadIdx.x == 0) init_barriers<T>(bar);
   __syncthreads();
   if (threadIdx.x < T::kProducerThreads) {
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
