@@ -317,9 +317,10 @@ class Selector:
     def quantized(self, request: Request, state: MaskState, warn: Warn | None = None) -> Selection:
         """The decision for an 8-bit request (``request.precision == "int8"``). The 8-bit kernels
         run the plans of the 16-bit request, so that request is ranked (plan table or cost model)
-        and its best-ranked eligible plan whose kernel has an 8-bit variant is chosen; plans the
-        ranking does not name follow in the cost model's order. ``chosen`` None: no such plan. With
-        ``reuse_regime``, the request's previous 8-bit decision serves again (no statistics read)."""
+        and its best-ranked eligible plan whose kernel has an 8-bit variant is chosen, one CTA per
+        task before a persistent grid (``QUANTIZED_GRID``); plans the ranking does not name follow
+        in the cost model's order. ``chosen`` None: no such plan. With ``reuse_regime``, the
+        request's previous 8-bit decision serves again (no statistics read)."""
         base, entry = self._base_entry(request, warn)
         if self.reuse_regime and entry.quantized_choice is not None:
             self.regime_reuses += 1
@@ -341,9 +342,11 @@ class Selector:
         position = {name: i for i, (name, _) in enumerate(ranked.ranking)}
         estimates = dict(estimated.ranking)
         names = sorted((n for n, p in plans.items() if has_quantized_variant(p)),
-                       key=lambda n: (position.get(n, len(position)), estimates.get(n, math.inf)))
+                       key=lambda n: (plans[n].tasks.persistent, position.get(n, len(position)),
+                                      estimates.get(n, math.inf)))
         rejected = tuple((n, "its kernel has no 8-bit variant") for n in plans if n not in names)
-        notes = ranked.notes + (f"precision int8: the best-ranked plan of {base.key} that an 8-bit kernel runs",)
+        notes = ranked.notes + (f"precision int8: the best-ranked plan of {base.key} that an 8-bit kernel runs, "
+                                f"one CTA per task first ({QUANTIZED_GRID})",)
         return Selection(request, tuple((n, estimates.get(n)) for n in names), rejected + ranked.rejected,
                          plans[names[0]] if names else None, ranked.source, ranked.regime, notes)
 
@@ -602,6 +605,11 @@ def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
 
 def warn_user(message: str) -> None:
     warnings.warn(message, stacklevel=4)
+
+
+# Why an 8-bit choice takes a plan with one CTA per task before a persistent one.
+QUANTIZED_GRID = ("the 8-bit kernels stride a persistent grid statically, where the hardware hands "
+                  "one-CTA-per-task grids out as SMs free up")
 
 
 def has_quantized_variant(plan: PhysicalPlan) -> bool:

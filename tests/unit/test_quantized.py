@@ -244,6 +244,22 @@ def test_the_8bit_choice_is_the_best_ranked_plan_an_8bit_kernel_runs():
     assert any("8-bit" in note for note in selection.notes)
 
 
+def test_the_8bit_choice_takes_one_cta_per_task_before_a_persistent_grid():
+    from tessera_diffusers.catalog import all_kernels, plans_for
+    from tessera_diffusers.mask_state import build_mask_state
+    from tessera_diffusers.plans import Request
+    from tessera_diffusers.selector import Selector
+
+    mask = random_mask(1, 2, 4096, 4096, 128, 128, density=0.1, seed=4)
+    request = Request(1, 2, 4096, 4096, 128, "bf16", 128, 128, "sm90", precision="int8")
+    selection = Selector(kernels=all_kernels()).quantized(request, build_mask_state(mask))
+    by_name = {p.name: p for p in plans_for(128, 128, all_kernels())}
+    persistent = [by_name[name].tasks.persistent for name, _ in selection.ranking]
+    assert True in persistent and False in persistent  # both kinds were candidates
+    assert persistent == sorted(persistent)  # every one-CTA-per-task plan first
+    assert not selection.chosen.tasks.persistent
+
+
 def test_with_regime_reuse_an_8bit_request_takes_its_previous_decision_without_a_scan():
     from tessera_diffusers.catalog import all_kernels
     from tessera_diffusers.mask_state import build_mask_state
