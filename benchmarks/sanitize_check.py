@@ -9,7 +9,11 @@ plan of two query blocks per tile on the static one, so each compiled kernel (ti
 dim x dtype x stages x schedule) is exercised under the sanitizer, coarsened and (``--grouped``)
 grouped query tiles on both schedules; ``--only``
 narrows it to the kernels whose name matches a regex. ``--grouped``
-adds each case's grouped query layout where its query tile covers several blocks."""
+adds each case's grouped query layout where its query tile covers several blocks.
+
+``--quantized`` runs every 8-bit kernel of the library instead (``--only`` narrows them), each on
+four plans of its 16-bit kernel: direct, packed on a persistent grid with 3 splits, grouped-packed
+with 3 splits, refined; checked against the fp32 oracle within the 8-bit budget."""
 
 from __future__ import annotations
 
@@ -20,9 +24,23 @@ import sys
 
 import torch
 
-from tessera_diffusers import KvLayout, PhysicalPlan, TaskOrganization, Traversal, build_mask_state, ops, prepare
+from tessera_diffusers import (
+    KvLayout,
+    PhysicalPlan,
+    TaskOrganization,
+    Traversal,
+    build_mask_state,
+    library,
+    ops,
+    prepare,
+    quantized,
+    quantized_ops,
+    reference,
+)
 from tessera_diffusers.catalog import all_kernels
-from tessera_diffusers.testing import check_against_reference, random_mask, random_qkv
+from tessera_diffusers.eligibility import rejection
+from tessera_diffusers.kernel_table import pv_format, quantized_rows
+from tessera_diffusers.testing import check_against_reference, device_request, random_mask, random_qkv
 
 # (geometry, family, (tile_q, tile_kv, head_dim, dtype, stages, warps), layout, task organization)
 PORTABLE_CASES = [
@@ -43,6 +61,14 @@ HOPPER_CASES = [
     ((32, 16), "hopper", (64, 64, 64, "fp16", 2, 4), KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 2)),
 ]
 
+
+# The 8-bit kernels' plans: (geometry, layout, task organization, grouped query layout)
+QUANTIZED_CASES = [
+    ((128, 128), KvLayout.CONTIGUOUS, TaskOrganization(), False),
+    ((32, 16), KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 3, persistent=True), False),
+    ((64, 64), KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 3), True),
+    ((384, 384), KvLayout.CONTIGUOUS, TaskOrganization(Traversal.ROW_MAJOR), False),
+]
 
 STATIC_ORGS = (TaskOrganization(), TaskOrganization(Traversal.ROW_MAJOR),
                TaskOrganization(Traversal.LONGEST_FIRST, 2))
@@ -71,6 +97,41 @@ def every_hopper_kernel(kernels) -> list[tuple]:
     return cases
 
 
+def run_quantized(only: str | None, device: torch.device) -> int:
+    """Every 8-bit kernel of the library (names matching ``only``) on ``QUANTIZED_CASES``; the
+    number of plans outside the budget or with a non-finite output."""
+    qlib = library.quantized_library()
+    rows = [r for r in quantized_rows()
+            if qlib is not None and r.name in qlib.kernel_ids and (only is None or re.search(only, r.name))]
+    if not rows:
+        raise SystemExit("no 8-bit kernel to run: --quantized needs an sm90 GPU and a library with 8-bit kernels")
+    failures = 0
+    for row in rows:
+        base = next(k for k in all_kernels() if k.family.value == "hopper" and (
+            k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages) == (row.tile_q, row.tile_kv, row.head_dim, row.dtype,
+                                                                    row.stages))
+        pv = pv_format(row)
+        for (bq, bkv), layout, org, grouped in QUANTIZED_CASES:
+            seq_q, seq_kv = case_sizes(bq, bkv)
+            mask = random_mask(1, 2, seq_q, seq_kv, bq, bkv, density=0.4, seed=bq, device=device)
+            q, k, v = random_qkv(1, seq_q, seq_kv, 2, base.head_dim, base.torch_dtype, device, seed=bq)
+            plan = PhysicalPlan(bq, bkv, layout, org, base)
+            plan = plan.grouped() if grouped else plan
+            why = rejection(plan, device_request(q, k, mask, plan))
+            if why is not None:
+                raise SystemExit(f"{row.name}: {plan.name} cannot run: {why}")
+            scale = 1 / math.sqrt(base.head_dim)
+            x = quantized_ops.quantize(q, k, v, scale, pv)
+            out = quantized_ops.run_quantized(prepare(plan, build_mask_state(mask)), q, k, v, scale, False,
+                                              quantized=x, pv=pv)
+            fit = quantized.agreement(out, reference.attention(q.float(), k.float(), v.float(), mask, scale))
+            ok = fit.within_budget() and bool(torch.isfinite(out).all())
+            print(f"{row.name} {plan.name}: cos {fit.cosine:.5f} rel {fit.relative_l2:.4f} {'ok' if ok else 'FAIL'}")
+            failures += not ok
+    torch.cuda.synchronize()
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--family", choices=("portable", "hopper"), default=None, help="only this kernel family")
@@ -78,12 +139,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="every Hopper kernel of the library, once per task schedule (replaces the fixed cases)")
     parser.add_argument("--grouped", action="store_true",
                         help="also run each case whose query tile covers several blocks in the grouped query layout")
+    parser.add_argument("--quantized", action="store_true",
+                        help="every 8-bit kernel of the library on four plans (replaces the fixed cases)")
     parser.add_argument("--only", default=None, metavar="REGEX",
-                        help="with --every-kernel: only the kernels whose name matches (e.g. 'hopper_t(64x64|128x64)_')")
+                        help="with --every-kernel or --quantized: only the kernels whose name matches "
+                             "(e.g. 'hopper_t(64x64|128x64)_')")
     parser.add_argument("--start", type=int, default=0,
                         help="skip the first START cases (to finish a sanitizer run that hit its time limit)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
+    if args.quantized:
+        return 1 if run_quantized(args.only, device) else 0
     built = ops.load_library().kernel_ids
     library = [k for k in all_kernels() if k.name in built]
     kernels = {(k.family.value, (k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages, k.warps)): k for k in library}
