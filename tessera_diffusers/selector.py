@@ -57,6 +57,7 @@ from .catalog import all_kernels, plans_for, quantized_kernel
 from .cost_model import PlanEstimator
 from .eligibility import rejection
 from .errors import CatalogError, PlanTableError
+from .kernel_table import DEFAULT_PV
 from .mask_state import MaskState
 from .plan_table import STAT_NAMES, PlanTable, RankedPlan, Regime, RegimeTree, ScheduleRule, default_table, tile_group
 from .plans import INPUT_PRECISION, Family, KernelSpec, PhysicalPlan, QLayout, Request
@@ -82,12 +83,14 @@ class Selection:
         lines = [f"request  {self.request.name}", f"source   {self.source}"]
         if self.request.precision != INPUT_PRECISION:
             lines.append(f"precision {self.request.precision}: the quantization pass, then the chosen plan's "
-                         "8-bit kernel (Q K^T and P V on the 8-bit tensor cores)")
+                         f"8-bit kernel (Q K^T on the 8-bit tensor cores, P V {PV_WHERE[DEFAULT_PV]})")
         if self.regime is not None:
             lines.append(f"regime   {self.regime.name}: {self.regime.rule} ({self.regime.cases} profiled cases)")
             lines.append(f"choice   {describe_choice(self.regime)}")
         lines += [f"note     {note}" for note in self.notes]
         unit = "predicted ms" if self.source.endswith("cost model") else "geometric-mean ms over the regime's cases"
+        if self.request.precision == "int8":
+            unit += " of the 16-bit request; one CTA per task first"
         lines.append(f"ranking ({unit}):")
         for name, ms in self.ranking[:limit]:
             lines.append(f"  {'      -  ' if ms is None else f'{ms:9.3f}'}  {name}")
@@ -345,8 +348,9 @@ class Selector:
                        key=lambda n: (plans[n].tasks.persistent, position.get(n, len(position)),
                                       estimates.get(n, math.inf)))
         rejected = tuple((n, "its kernel has no 8-bit variant") for n in plans if n not in names)
-        notes = ranked.notes + (f"precision int8: the best-ranked plan of {base.key} that an 8-bit kernel runs, "
-                                f"one CTA per task first ({QUANTIZED_GRID})",)
+        note = (f"precision int8: the best-ranked plan of {base.key} that an 8-bit kernel runs, "
+                f"one CTA per task first ({QUANTIZED_GRID})")
+        notes = (*ranked.notes, note)
         return Selection(request, tuple((n, estimates.get(n)) for n in names), rejected + ranked.rejected,
                          plans[names[0]] if names else None, ranked.source, ranked.regime, notes)
 
@@ -606,6 +610,9 @@ def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
 def warn_user(message: str) -> None:
     warnings.warn(message, stacklevel=4)
 
+
+# Where the 8-bit kernels of each P V format (kernel_table.QUANTIZED_FAMILIES) run P V, for explain.
+PV_WHERE = {"bf16": "in the inputs' 16-bit type", "int8": "on the 8-bit tensor cores"}
 
 # Why an 8-bit choice takes a plan with one CTA per task before a persistent one.
 QUANTIZED_GRID = ("the 8-bit kernels stride a persistent grid statically, where the hardware hands "

@@ -260,6 +260,13 @@ def test_the_8bit_choice_takes_one_cta_per_task_before_a_persistent_grid():
     assert not selection.chosen.tasks.persistent
 
 
+def test_explain_says_where_every_pv_format_runs_pv():
+    from tessera_diffusers.kernel_table import DEFAULT_PV, QUANTIZED_FAMILIES
+    from tessera_diffusers.selector import PV_WHERE
+
+    assert set(PV_WHERE) == set(QUANTIZED_FAMILIES) and DEFAULT_PV in PV_WHERE
+
+
 def test_with_regime_reuse_an_8bit_request_takes_its_previous_decision_without_a_scan():
     from tessera_diffusers.catalog import all_kernels
     from tessera_diffusers.mask_state import build_mask_state
