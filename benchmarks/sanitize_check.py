@@ -37,7 +37,7 @@ from tessera_diffusers import (
     quantized_ops,
     reference,
 )
-from tessera_diffusers.catalog import all_kernels
+from tessera_diffusers.catalog import all_kernels, base_kernel
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.kernel_table import pv_format, quantized_rows
 from tessera_diffusers.testing import check_against_reference, device_request, random_mask, random_qkv
@@ -107,9 +107,7 @@ def run_quantized(only: str | None, device: torch.device) -> int:
         raise SystemExit("no 8-bit kernel to run: --quantized needs an sm90 GPU and a library with 8-bit kernels")
     failures = 0
     for row in rows:
-        base = next(k for k in all_kernels() if k.family.value == "hopper" and (
-            k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages) == (row.tile_q, row.tile_kv, row.head_dim, row.dtype,
-                                                                    row.stages))
+        base = base_kernel(row)
         pv = pv_format(row)
         for (bq, bkv), layout, org, grouped in QUANTIZED_CASES:
             seq_q, seq_kv = case_sizes(bq, bkv)

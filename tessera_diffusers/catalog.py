@@ -53,6 +53,13 @@ def quantized_kernel(spec: KernelSpec, pv: str = DEFAULT_PV) -> KernelRow | None
     return quantized_variant(spec.tile_q, spec.tile_kv, spec.head_dim, spec.dtype, spec.stages, pv)
 
 
+def base_kernel(row: KernelRow) -> KernelSpec:
+    """The 16-bit Hopper kernel whose plans the 8-bit kernel ``row`` runs (``quantized_kernel``'s
+    inverse)."""
+    key = (row.tile_q, row.tile_kv, row.head_dim, row.dtype, row.stages)
+    return next(k for k in hopper_kernels() if (k.tile_q, k.tile_kv, k.head_dim, k.dtype, k.stages) == key)
+
+
 def reference_kernel(head_dim: int, dtype: str, tile_q: int = 64, tile_kv: int = 64) -> KernelSpec:
     """The PyTorch executor as a 'kernel' (any device, any tile)."""
     return KernelSpec(Family.REFERENCE, tile_q, tile_kv, head_dim, dtype, 1, "any", 1)

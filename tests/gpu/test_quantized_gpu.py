@@ -16,11 +16,11 @@ from tessera_diffusers import (
     TaskOrganization,
     Traversal,
     build_mask_state,
+    catalog,
     prepare,
     quantized,
     reference,
 )
-from tessera_diffusers.catalog import all_kernels
 from tessera_diffusers.eligibility import rejection
 from tessera_diffusers.kernel_table import pv_format, quantized_rows
 from tessera_diffusers.testing import TEST_GEOMETRIES, device_request, plans_to_check, random_mask, random_qkv
@@ -84,9 +84,7 @@ def test_the_quantization_pass_is_the_twins(dtype):
 
 def base_kernel(name: str):
     """The 16-bit Hopper catalog entry whose plans the 8-bit kernel ``name`` runs."""
-    row = next(r for r in quantized_rows() if r.name == name)
-    return next(k for k in all_kernels() if k.family.value == "hopper" and (k.tile_q, k.tile_kv, k.head_dim, k.dtype,
-                k.stages) == (row.tile_q, row.tile_kv, row.head_dim, row.dtype, row.stages))
+    return catalog.base_kernel(next(r for r in quantized_rows() if r.name == name))
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

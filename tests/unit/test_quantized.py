@@ -260,6 +260,15 @@ def test_the_8bit_choice_takes_one_cta_per_task_before_a_persistent_grid():
     assert not selection.chosen.tasks.persistent
 
 
+def test_every_8bit_kernel_runs_the_plans_of_its_base_kernel():
+    from tessera_diffusers.catalog import base_kernel, quantized_kernel
+    from tessera_diffusers.kernel_table import pv_format, quantized_rows
+
+    for row in quantized_rows():
+        base = base_kernel(row)
+        assert base.family.value == "hopper" and quantized_kernel(base, pv_format(row)) == row
+
+
 def test_explain_says_where_every_pv_format_runs_pv():
     from tessera_diffusers.kernel_table import DEFAULT_PV, QUANTIZED_FAMILIES
     from tessera_diffusers.selector import PV_WHERE
