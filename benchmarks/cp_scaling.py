@@ -460,6 +460,7 @@ def bench_transformer(sparsifier: SSTASparsifier, setup: Setup, args) -> dict:
     """Part 2 (see the module docstring)."""
     from diffusers import ContextParallelConfig
     from diffusers.utils import logging as diffusers_logging
+
     from tessera_diffusers.processors import TesseraProcessor
 
     diffusers_logging.set_verbosity_error()

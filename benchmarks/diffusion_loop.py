@@ -58,14 +58,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tessera_diffusers.processors import TesseraProcessor
-from tessera_diffusers.processors.compat import CACHE_CONTEXT_TAKES_STEP, DIFFUSERS_VERSION, cache_context
-from tessera_diffusers.processors.context import grid_from_latents, patch_size_of
-from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, WAN_DENSITY
 
 from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.mask import LogicalMask
 from tessera_diffusers.plans import INPUT_PRECISION
+from tessera_diffusers.processors import TesseraProcessor
+from tessera_diffusers.processors.compat import CACHE_CONTEXT_TAKES_STEP, DIFFUSERS_VERSION, cache_context
+from tessera_diffusers.processors.context import grid_from_latents, patch_size_of
+from tessera_diffusers.processors.processor import DEFAULT_WARMUP_STEPS, WAN_DENSITY
 from tessera_diffusers.sparsifiers import LatentGrid, spade_64, ssta_384, ssta_tuned, tile_layout
 
 FULL_STEPS = 50

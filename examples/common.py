@@ -110,7 +110,7 @@ def checkpoint_class(parser: argparse.ArgumentParser, model: str, known: tuple[s
 
     try:
         name = DiffusionPipeline.load_config(model)["_class_name"]
-    except Exception as err:  # a missing folder, an unknown hub id, no network: say which
+    except Exception as err:  # noqa: BLE001 - a missing folder, an unknown hub id, no network: say which
         parser.error(f"--model {model}: no diffusers checkpoint found ({type(err).__name__}: {err})")
     if name not in known:
         parser.error(f"--model {model} is a {name} checkpoint; this example runs {' or '.join(known)}")

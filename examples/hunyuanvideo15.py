@@ -28,11 +28,18 @@ from pathlib import Path
 
 import torch
 
+from tessera_diffusers.processors.context import Route
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    Size, build_parser, cast_like_pretrained, check_task, checkpoint_class, parse_args, run_example,
+from common import (
+    Size,
+    build_parser,
+    cast_like_pretrained,
+    check_task,
+    checkpoint_class,
+    parse_args,
+    run_example,
 )
-from tessera_diffusers.processors.context import Route  # noqa: E402
 
 T2V, I2V = "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"
 REAL, TINY = Size(720, 1280, 121), Size(256, 256, 5)  # tiny: 2 x 16 x 16 tokens

@@ -26,11 +26,18 @@ from pathlib import Path
 
 import torch
 
+from tessera_diffusers.processors.context import Route
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    Size, build_parser, cast_like_pretrained, check_task, checkpoint_class, parse_args, run_example,
+from common import (
+    Size,
+    build_parser,
+    cast_like_pretrained,
+    check_task,
+    checkpoint_class,
+    parse_args,
+    run_example,
 )
-from tessera_diffusers.processors.context import Route  # noqa: E402
 
 T2V, I2V = "WanPipeline", "WanImageToVideoPipeline"
 NEGATIVE = "Bright tones, overexposed, static, blurred details, subtitles, worst quality, low quality"

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-from tessera_diffusers.processors import TesseraBackend, TesseraProcessor
 
+from tessera_diffusers.processors import TesseraBackend, TesseraProcessor
 from tessera_diffusers.runtime import Runtime
 from tessera_diffusers.selector import Selector
 from tessera_diffusers.sparsifiers import DenseWarmup, spade_64

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel, WanTransformer3DModel
-from tessera_diffusers.processors import TesseraBackend, TesseraProcessor
 
+from tessera_diffusers.processors import TesseraBackend, TesseraProcessor
 from tessera_diffusers.runtime import Runtime
 from tessera_diffusers.selector import Selector
 from tessera_diffusers.sparsifiers import DenseWarmup, spade_64, ssta_384

@@ -12,6 +12,8 @@ import copy
 import pytest
 import torch
 import torch._dynamo
+
+from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.compiled import marker_of
 from tessera_diffusers.processors.tiny import (
@@ -22,8 +24,6 @@ from tessera_diffusers.processors.tiny import (
     wan_prompt_inputs,
     wan_transformer_inputs,
 )
-
-from tessera_diffusers.errors import InvalidArgumentError
 from tessera_diffusers.sparsifiers import DenseWarmup, SSTASparsifier
 
 from .test_processors_pipelines import Recording  # the sparsifier wrapper that logs (layer, step, grid)

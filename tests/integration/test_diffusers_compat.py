@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tessera_diffusers.processors import TesseraProcessor, compat
-from tessera_diffusers.processors.tiny import tiny_wan_transformer
 
 from tessera_diffusers.errors import TesseraError
+from tessera_diffusers.processors import TesseraProcessor, compat
+from tessera_diffusers.processors.tiny import tiny_wan_transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 

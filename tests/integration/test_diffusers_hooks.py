@@ -14,6 +14,7 @@ import pytest
 import torch
 from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 from peft import LoraConfig
+
 from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.tiny import (
     hunyuan_video15_transformer_inputs,
@@ -21,7 +22,6 @@ from tessera_diffusers.processors.tiny import (
     tiny_wan_transformer,
     wan_transformer_inputs,
 )
-
 from tessera_diffusers.sparsifiers import DenseWarmup, all_active, ssta_64
 
 STEPS = 4

@@ -15,6 +15,8 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15RotaryPosEmbed
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+from tessera_diffusers import InvalidArgumentError
 from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.compat import cache_context, cached_child_registries, hook_registry_of
 from tessera_diffusers.processors.context import GridReader, Route, grid_from_rotary
@@ -27,8 +29,6 @@ from tessera_diffusers.processors.tiny import (
     tiny_wan_transformer,
     wan_prompt_inputs,
 )
-
-from tessera_diffusers import InvalidArgumentError
 from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}

@@ -26,11 +26,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from tessera_diffusers.processors import TesseraProcessor
 
 import tessera_diffusers
 from tessera_diffusers import TesseraError
 from tessera_diffusers.parallel import ContextParallelError, Ulysses
+from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.testing import run_ranks
 
 WORKER = Path(__file__).with_name("test_parallel_worker.py")

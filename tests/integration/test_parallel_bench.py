@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tessera_diffusers.processors import TesseraProcessor
 
 import tessera_diffusers
+from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.testing import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_scaling.py"

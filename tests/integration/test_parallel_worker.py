@@ -172,6 +172,7 @@ class HeadRecorder:
 def case_wan(rank: int, world: int) -> dict:
     import diffusers.utils.logging as diffusers_logging
     from diffusers import ContextParallelConfig
+
     from tessera_diffusers.processors import TesseraProcessor
     from tessera_diffusers.processors.tiny import tiny_wan_transformer
 
@@ -247,9 +248,9 @@ def case_refusals(rank: int, world: int) -> dict:
     import diffusers.utils.logging as diffusers_logging
     from diffusers import ContextParallelConfig
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
     from tessera_diffusers.processors import TesseraProcessor
     from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
-
     from tessera_diffusers.sparsifiers import all_active
 
     diffusers_logging.set_verbosity_error()

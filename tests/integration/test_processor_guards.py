@@ -15,11 +15,11 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+from tessera_diffusers import InvalidArgumentError, LogicalMask
 from tessera_diffusers.processors import ForwardContext, TesseraProcessor
 from tessera_diffusers.processors.compat import cache_context
 from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
-
-from tessera_diffusers import InvalidArgumentError, LogicalMask
 from tessera_diffusers.sparsifiers import LatentGrid, all_active, tile_layout
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}

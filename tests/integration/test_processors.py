@@ -16,13 +16,13 @@ import warnings
 import pytest
 import torch
 from diffusers.models.transformers import transformer_hunyuan_video15, transformer_wan
+
+from tessera_diffusers import InvalidArgumentError, LogicalMask, MaskError
 from tessera_diffusers.processors import ForwardContext, TesseraProcessor
 from tessera_diffusers.processors.compat import cache_context
 from tessera_diffusers.processors.tiny import hunyuan_video15_transformer_inputs as hv15_inputs
 from tessera_diffusers.processors.tiny import tiny_hunyuan_video15_transformer, tiny_wan_transformer
 from tessera_diffusers.processors.tiny import wan_transformer_inputs as wan_inputs
-
-from tessera_diffusers import InvalidArgumentError, LogicalMask, MaskError
 from tessera_diffusers.sparsifiers import (
     AdaptiveSparsifier,
     DenseWarmup,

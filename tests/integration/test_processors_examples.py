@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tessera_diffusers.processors.compat import CACHE_CONTEXT_TAKES_STEP
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,10 +113,9 @@ def test_flashinfer_adapter_follows_the_documented_contract(monkeypatch):
     fake.VariableBlockSparseAttentionWrapper = FakeVariableBlockSparseWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     bench = load("benchmarks/diffusion_loop.py")
+    from tessera_diffusers import reference
     from tessera_diffusers.processors import StepCache
     from tessera_diffusers.processors.plan_cache import CacheSlot
-
-    from tessera_diffusers import reference
     from tessera_diffusers.testing import random_mask
 
     backend = bench.FlashInferBackend(torch.device("cpu"), workspace_mb=1)
@@ -137,10 +137,9 @@ def test_flashinfer_adapter_follows_the_documented_contract(monkeypatch):
 
 def test_flex_adapter_equals_the_reference():
     bench = load("benchmarks/diffusion_loop.py")
+    from tessera_diffusers import reference
     from tessera_diffusers.processors import StepCache
     from tessera_diffusers.processors.plan_cache import CacheSlot
-
-    from tessera_diffusers import reference
     from tessera_diffusers.testing import random_mask
 
     backend = bench.FlexBackend(compiled=False)

@@ -4,6 +4,7 @@ download: local tiny VAEs and schedulers, prompt embeddings passed directly)."""
 from __future__ import annotations
 
 import torch
+
 from tessera_diffusers.processors import TesseraProcessor
 from tessera_diffusers.processors.tiny import (
     hunyuan_video15_prompt_inputs,
@@ -11,7 +12,6 @@ from tessera_diffusers.processors.tiny import (
     tiny_wan_pipeline,
     wan_prompt_inputs,
 )
-
 from tessera_diffusers.sparsifiers import DenseWarmup, LatentGrid, SSTASparsifier, all_active, tile_layout
 
 STEPS = 3

@@ -201,9 +201,8 @@ def test_processors_take_the_shipped_reused_plan_on_hopper():
     """The diffusers processors' step cache on the native kernels with the shipped table: a Q16K16
     mask's first call runs a natural plan, the calls after it the table's ``/reused`` plan (grouped),
     re-prepared once; every output equal to the oracle (the output of the grouped plan included)."""
-    from tessera_diffusers.processors.backends import TesseraBackend
-
     from tessera_diffusers import ops
+    from tessera_diffusers.processors.backends import TesseraBackend
     from tessera_diffusers.testing import random_mask
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):

@@ -66,7 +66,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def make_processor(mode: str) -> Any:
     """A new processor for ``mode`` ("default" or "sparse")."""
     from tessera_diffusers.processors import TesseraProcessor
-
     from tessera_diffusers.sparsifiers import SSTASparsifier
 
     if mode == "default":
