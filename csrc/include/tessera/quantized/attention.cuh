@@ -404,6 +404,61 @@ __device__ __forceinline__ auto consumer_views(hopper::TiledMmas<T>& mmas, int c
                             thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{})));
 }
 
+// The consumers' frame around each task, for both P V formats: every gridDim.x-th task (the
+// producer's sequence) with its row state cleared; for a task with KV tiles the row factors, the
+// wait on its Q buffer qs, `body(t, n, qs, rf, row_max, row_sum)` over its n tiles, and the Q read
+// state advanced; then the output (an empty row's too).
+template <class T, class Views, class FragO, class Body>
+__device__ __forceinline__ void for_each_task(const TesseraQuantizedParams& qp, const Views& views, FragO& o,
+                                              PipelineBarriers<T::kStages, T::kQStages>& bar,
+                                              PipeState<T::kQStages>& read_q, Body&& body) {
+  const TesseraAttnParams& p = qp.attn;
+  const int64_t tasks = num_tasks(p);
+  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
+    const Task t = decode_task(p, task_id);
+    const int n = t.tile_end - t.tile_begin;
+    float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};
+    clear(o);
+    if (n > 0) {
+      float rf[2];
+      row_factors<T>(qp, t, views.row_of_half, rf);
+      const int qs = read_q.stage;
+      Barrier::wait(&bar.q_full[qs], read_q.phase);
+      body(t, n, qs, rf, row_max, row_sum);
+      read_q.advance();
+    }
+    store_output<T>(qp, t, o, row_max, row_sum, views.coords_o, views.row_of_half);
+  }
+}
+
+// S = Q8 K8^T (int32) on the next K stage, Q in buffer qs, once the producer has filled the stage
+// (its K scales with it).
+template <class T, class Views, class FragS>
+__device__ __forceinline__ void issue_scores(hopper::TiledMmas<T>& mmas, const Views& views, int qs,
+                                             PipelineBarriers<T::kStages, T::kQStages>& bar,
+                                             const PipeState<T::kStages>& read_k, FragS& s) {
+  Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);
+  hopper::wgmma_issue<true>(mmas.qk, views.q(_, _, _, qs), views.k(_, _, _, read_k.stage), s);
+}
+
+// The thread's K scales from the stage issue_scores waited for.
+template <class T, int kBlocks>
+__device__ __forceinline__ void stage_k_scales(uint32_t ks_smem, const PipeState<T::kStages>& read_k, int lane_col,
+                                               float2 (&ks)[kBlocks]) {
+  load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), lane_col, ks);
+}
+
+// Releases the K stage of the current tile: every thread, after its own reads of the K scales
+// (init_barriers).
+template <class T>
+__device__ __forceinline__ void release_k(PipelineBarriers<T::kStages, T::kQStages>& bar,
+                                          PipeState<T::kStages>& read_k) {
+  Barrier::arrive(&bar.k_empty[read_k.stage]);
+  read_k.advance();
+}
+
+// The consumers with an 8-bit P V: per KV tile i, issue O_i = P8_{i-1} V8_{i-1} (int32) and
+// S = Q8 K8_i^T; wait O_i, add it to O; wait S; softmax into P8_i; O *= alpha_i.
 template <class T, class SmemQ, class SmemK, class SmemVt>
 __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK& sK, SmemVt& sVt,
                               uint32_t ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
@@ -429,81 +484,61 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
   const PingPong<T> turns{ctid / 128};
   turns.start();
 
-  const int64_t tasks = num_tasks(p);
-  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
-    const Task t = decode_task(p, task_id);
-    const int n = t.tile_end - t.tile_begin;
-    float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};
-    clear(o);
-    if (n > 0) {
-      float rf[2];
-      row_factors<T>(qp, t, views.row_of_half, rf);
-      const int qs = read_q.stage;
-      Barrier::wait(&bar.q_full[qs], read_q.phase);
-      float alpha[2], unit[2];
-      TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
-      float2 ks[kBlocks];
-      auto k_scales = [&]() {  // before the wait on S_i: its K stage has landed (issue_scores waited)
-        load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), views.lane_col, ks);
-      };
-      auto scores = [&](int i) {  // S_i landed: K released, softmax into P
-        warpgroup_fence_operand(s);
-        softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
-                         unit, prob_w);
-        unit[0] *= kUnitScale;
-        unit[1] *= kUnitScale;
-        Barrier::arrive(&bar.k_empty[read_k.stage]);  // every thread, after its own reads of the K scales
-        read_k.advance();
-        if (i == n - 1) release(&bar.q_empty[qs]);
-      };
-      auto issue_scores = [&]() {
-        Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);
-        hopper::wgmma_issue<true>(mmas.qk, views.q(_, _, _, qs), views.k(_, _, _, read_k.stage), s);
-      };
-      auto issue_pv = [&]() {
-        Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
-        hopper::wgmma_issue<true>(mmas.pv, prob, views.vt(_, _, _, read_v.stage), oi);
-      };
-      auto pv_done = [&]() {
-        warpgroup_fence_operand(oi);
-        warpgroup_fence_operand(prob);
-        release(&bar.v_empty[read_v.stage]);
-        read_v.advance();
-      };
+  for_each_task<T>(qp, views, o, bar, read_q, [&](const Task& t, int n, int qs, const float (&rf)[2],
+                                                  float (&row_max)[2], float (&row_sum)[2]) {
+    float alpha[2], unit[2];
+    TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
+    float2 ks[kBlocks];
+    auto scores = [&](int i) {  // S_i landed: softmax into P, then release K (its scales were read)
+      warpgroup_fence_operand(s);
+      softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
+                       unit, prob_w);
+      unit[0] *= kUnitScale;
+      unit[1] *= kUnitScale;
+      release_k<T>(bar, read_k);
+      if (i == n - 1) release(&bar.q_empty[qs]);
+    };
+    auto issue_pv = [&]() {
+      Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
+      hopper::wgmma_issue<true>(mmas.pv, prob, views.vt(_, _, _, read_v.stage), oi);
+    };
+    auto pv_done = [&]() {
+      warpgroup_fence_operand(oi);
+      warpgroup_fence_operand(prob);
+      release(&bar.v_empty[read_v.stage]);
+      read_v.advance();
+    };
 
-      turns.wait_turn();
-      issue_scores();
-      turns.pass_turn();
-      k_scales();
-      warpgroup_wait<0>();
-      scores(0);
-      // P_{i-1} V_{i-1} is issued before S_i: tile i's softmax rewrites P's registers. Its int32
-      // product joins O (relative to reference i - 1) while S_i runs, so only O, S and P are live
-      // through the softmax.
-      for (int i = 1; i < n; ++i) {
-        act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
-        turns.wait_turn();
-        issue_pv();
-        issue_scores();
-        turns.pass_turn();
-        warpgroup_wait<1>();  // O_{i-1} done (committed first), S_i in flight
-        accumulate(o, oi, unit);
-        pv_done();
-        k_scales();
-        warpgroup_wait<0>();
-        scores(i);
-        rescale(o, alpha);
-      }
+    turns.wait_turn();
+    issue_scores(mmas, views, qs, bar, read_k, s);
+    turns.pass_turn();
+    stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);  // before the wait on S
+    warpgroup_wait<0>();
+    scores(0);
+    // P_{i-1} V_{i-1} is issued before S_i: tile i's softmax rewrites P's registers. Its int32
+    // product joins O (relative to reference i - 1) while S_i runs, so only O, S and P are live
+    // through the softmax.
+    for (int i = 1; i < n; ++i) {
+      act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
       turns.wait_turn();
       issue_pv();
+      issue_scores(mmas, views, qs, bar, read_k, s);
       turns.pass_turn();
-      warpgroup_wait<0>();
+      warpgroup_wait<1>();  // O_{i-1} done (committed first), S_i in flight
       accumulate(o, oi, unit);
       pv_done();
-      read_q.advance();
+      stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
+      warpgroup_wait<0>();
+      scores(i);
+      rescale(o, alpha);
     }
-    store_output<T>(qp, t, o, row_max, row_sum, views.coords_o, views.row_of_half);
-  }
+    turns.wait_turn();
+    issue_pv();
+    turns.pass_turn();
+    warpgroup_wait<0>();
+    accumulate(o, oi, unit);
+    pv_done();
+  });
 }
 
 // The consumers with a 16-bit P V (T::kPv16), in the 16-bit kernels' order (hopper::consume_task):
@@ -532,80 +567,60 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
   const PingPong<T> turns{ctid / 128};
   turns.start();
 
-  const int64_t tasks = num_tasks(p);
-  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
-    const Task t = decode_task(p, task_id);
-    const int n = t.tile_end - t.tile_begin;
-    float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};
-    clear(o);
-    if (n > 0) {
-      float rf[2];
-      row_factors<T>(qp, t, views.row_of_half, rf);
-      const int qs = read_q.stage;
-      Barrier::wait(&bar.q_full[qs], read_q.phase);
-      float alpha[2];
-      TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
-      float2 ks[kBlocks];
-      auto issue_scores = [&]() {
-        Barrier::wait(&bar.k_full[read_k.stage], read_k.phase);
-        hopper::wgmma_issue<true>(mmas.qk, views.q(_, _, _, qs), views.k(_, _, _, read_k.stage), s);
-      };
-      auto issue_pv = [&]() {
-        Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
-        hopper::wgmma_issue<false>(mmas.pv, prob, views.vt(_, _, _, read_v.stage), o);
-      };
-      auto k_scales = [&]() {  // its K stage has landed (issue_scores waited)
-        load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), views.lane_col, ks);
-      };
-      auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
-        warpgroup_fence_operand(s);
-        Barrier::arrive(&bar.k_empty[read_k.stage]);  // every thread, after its own reads of the K scales
-        read_k.advance();
-        if (i == n - 1) release(&bar.q_empty[qs]);
-        softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
-                          sf);
-      };
-      auto pv_done = [&]() {
-        warpgroup_fence_operand(o);
-        warpgroup_fence_operand(prob);
-        release(&bar.v_empty[read_v.stage]);
-        read_v.advance();
-      };
-      auto to_prob = [&]() {
-        CUTE_UNROLL
-        for (int e = 0; e < size(sf); ++e) prob(e) = static_cast<Output>(sf(e));
-      };
+  for_each_task<T>(qp, views, o, bar, read_q, [&](const Task& t, int n, int qs, const float (&rf)[2],
+                                                  float (&row_max)[2], float (&row_sum)[2]) {
+    float alpha[2];
+    TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
+    float2 ks[kBlocks];
+    auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
+      warpgroup_fence_operand(s);
+      release_k<T>(bar, read_k);
+      if (i == n - 1) release(&bar.q_empty[qs]);
+      softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
+                        sf);
+    };
+    auto issue_pv = [&]() {
+      Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
+      hopper::wgmma_issue<false>(mmas.pv, prob, views.vt(_, _, _, read_v.stage), o);
+    };
+    auto pv_done = [&]() {
+      warpgroup_fence_operand(o);
+      warpgroup_fence_operand(prob);
+      release(&bar.v_empty[read_v.stage]);
+      read_v.advance();
+    };
+    auto to_prob = [&]() {
+      CUTE_UNROLL
+      for (int e = 0; e < size(sf); ++e) prob(e) = static_cast<Output>(sf(e));
+    };
 
+    turns.wait_turn();
+    issue_scores(mmas, views, qs, bar, read_k, s);
+    turns.pass_turn();
+    stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
+    warpgroup_wait<0>();
+    scores(0);
+    to_prob();
+    for (int i = 1; i < n; ++i) {
+      act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
       turns.wait_turn();
-      issue_scores();
-      turns.pass_turn();
-      k_scales();
-      warpgroup_wait<0>();
-      scores(0);
-      to_prob();
-      for (int i = 1; i < n; ++i) {
-        act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
-        turns.wait_turn();
-        issue_scores();
-        issue_pv();
-        turns.pass_turn();
-        k_scales();
-        warpgroup_wait<1>();  // S_i done (committed first), O += P_{i-1} V_{i-1} in flight
-        scores(i);
-        warpgroup_wait<0>();
-        pv_done();
-        rescale(o, alpha);
-        to_prob();
-      }
-      turns.wait_turn();
+      issue_scores(mmas, views, qs, bar, read_k, s);
       issue_pv();
       turns.pass_turn();
+      stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
+      warpgroup_wait<1>();  // S_i done (committed first), O += P_{i-1} V_{i-1} in flight
+      scores(i);
       warpgroup_wait<0>();
       pv_done();
-      read_q.advance();
+      rescale(o, alpha);
+      to_prob();
     }
-    store_output<T>(qp, t, o, row_max, row_sum, views.coords_o, views.row_of_half);
-  }
+    turns.wait_turn();
+    issue_pv();
+    turns.pass_turn();
+    warpgroup_wait<0>();
+    pv_done();
+  });
 }
 
 // The barriers as PipelineBarriers::init sets them for a static schedule, but k_empty counts
