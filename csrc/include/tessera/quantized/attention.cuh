@@ -47,7 +47,7 @@ struct TmaMaps {
 };
 
 // x + 1.5 * 2^23 holds x's integer value in its low mantissa bits for |x| < 2^22: an int32 becomes
-// the float x + 1.5 * 2^23 with one integer add (its offset comes off in the next FFMA).
+// the float x + 1.5 * 2^23 with one integer add (the 8-bit P V's row sums of P's bytes).
 constexpr float kMagic = 12582912.f;
 constexpr int kMagicBits = 0x4B400000;
 
@@ -173,8 +173,9 @@ __device__ __forceinline__ void load_k_scales(uint32_t ks_stage, int lane_col, f
                  : "r"(ks_stage + uint32_t(lane_col + 8 * j) * uint32_t(sizeof(float))));
 }
 
-// One tile's int32 scores `s` as fp32 `sf`: s * k_scale (column; one FFMA with the magic number's
-// share), masked where `act` says (-inf). The row factor (q_scale * scale * log2 e) comes later.
+// One tile's int32 scores `s` as fp32 `sf`: float(s) * k_scale (column), masked where `act` says
+// (-inf). The row factor (q_scale * scale * log2 e) comes later. The conversion (I2F) issues at
+// half the FMA rate and not on the exponentials' unit; exact (|s| < 2^22, traits.cuh).
 template <class T, class FragS, class FragF, int kBlocks>
 __device__ __forceinline__ void column_scaled_scores(const TesseraAttnParams& p, const Task& t, int tile,
                                                      const TileActivity& act, const FragS& s,
@@ -183,11 +184,10 @@ __device__ __forceinline__ void column_scaled_scores(const TesseraAttnParams& p,
   static_assert(kBlocks * 4 == decltype(size(s))::value, "a K scale pair per n8 block");
   CUTE_UNROLL
   for (int j = 0; j < kBlocks; ++j) {  // n8 block j: columns lane_col + 8 j + {0, 1}, both row halves
-    const float ox = -kMagic * ks[j].x, oy = -kMagic * ks[j].y;
-    sf(4 * j + 0) = fmaf(magic_float(s(4 * j + 0)), ks[j].x, ox);
-    sf(4 * j + 1) = fmaf(magic_float(s(4 * j + 1)), ks[j].y, oy);
-    sf(4 * j + 2) = fmaf(magic_float(s(4 * j + 2)), ks[j].x, ox);
-    sf(4 * j + 3) = fmaf(magic_float(s(4 * j + 3)), ks[j].y, oy);
+    sf(4 * j + 0) = __int2float_rn(s(4 * j + 0)) * ks[j].x;
+    sf(4 * j + 1) = __int2float_rn(s(4 * j + 1)) * ks[j].y;
+    sf(4 * j + 2) = __int2float_rn(s(4 * j + 2)) * ks[j].x;
+    sf(4 * j + 3) = __int2float_rn(s(4 * j + 3)) * ks[j].y;
   }
   if (act.needs_mask) hopper::mask_scores<T>(p, act, tile_slots(p, t, tile), sf, lane_col, row_of_half);
 }

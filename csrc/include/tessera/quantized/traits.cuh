@@ -54,9 +54,9 @@ struct Traits {
   static constexpr int kConsumerRegisters = 232;
   static constexpr float kRescaleThreshold = 8.0f;  // lazy softmax reference (attention.cuh)
 
-  // int32 values the scores and a tile's P V product reach: a score is within the magic-number
-  // conversion's range (|s| < 2^22), a product (u8 x u8, never negative) below 2^23, where its bits
-  // read as an fp32 denormal are exactly the product times 2^-149 (attention.cuh).
+  // int32 values the scores and a tile's P V product reach: a score converts to fp32 exactly
+  // (|s| < 2^22), a product (u8 x u8, never negative) stays below 2^23, where its bits read as an
+  // fp32 denormal are exactly the product times 2^-149 (attention.cuh).
   static constexpr int64_t kMaxScore = int64_t(kHeadDim) * 127 * 127;
   static constexpr int64_t kMaxProduct = int64_t(kTileKV) * 255 * 255;
 
