@@ -145,7 +145,8 @@ class TesseraQuantized(Backend):
     is held to the 8-bit budget (``quantized.MIN_COSINE``, ``MAX_RELATIVE_L2``), not the 16-bit one.
     For comparison, ``pv="int8"`` (``tessera-int8pv``, ``tessera-int8pv-kernel``) runs the same plan
     on the kernels with an 8-bit P V (the product's P V format is ``kernel_table.DEFAULT_PV``); its
-    request is the quantization pass and that kernel on the prepared plan."""
+    request is what a call with that format would do: the selection, the plan's preparation, the
+    quantization pass and the kernel."""
 
     kind = "quantized"
 
@@ -153,7 +154,6 @@ class TesseraQuantized(Backend):
         self.kernel_only = kernel_only
         self.pv = pv
         self.name = ("tessera-int8" if pv == DEFAULT_PV else "tessera-int8pv") + ("-kernel" if kernel_only else "")
-        self._prepared: PreparedPlan | None = None
 
     def prepare(self, problem: Problem) -> tuple[PreparedPlan, float]:
         from ..library import quantized_library
@@ -163,13 +163,17 @@ class TesseraQuantized(Backend):
                 raise Skip("this build of the library has no 8-bit kernels")
         except CatalogError as err:
             raise Skip(f"native kernels unavailable: {err}") from err
+        return self.prepared_plan(problem), problem.scale
+
+    @staticmethod
+    def prepared_plan(problem: Problem) -> PreparedPlan:
+        """The plan ``Selector.quantized`` picks for ``problem``, prepared."""
         state = build_mask_state(problem.mask)
         request = dataclasses.replace(request_of(problem), precision="int8")
         selection = Selector().quantized(request, state)
         if selection.chosen is None:
             raise Skip("no plan of this request has an 8-bit kernel")
-        self._prepared = prepare(selection.chosen, state)
-        return self._prepared, problem.scale
+        return prepare(selection.chosen, state)
 
     def convert(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
         if not self.kernel_only:
@@ -191,7 +195,7 @@ class TesseraQuantized(Backend):
             return Runtime().attention(q, k, v, problem.mask, scale=problem.scale, precision="int8")
         from ..quantized_ops import run_quantized
 
-        return run_quantized(self._prepared, q, k, v, problem.scale, False, pv=self.pv)
+        return run_quantized(self.prepared_plan(problem), q, k, v, problem.scale, False, pv=self.pv)
 
     @staticmethod
     def chosen_plan(prepared: tuple[PreparedPlan, float]) -> str:
