@@ -95,7 +95,7 @@ def all_rows() -> tuple[KernelRow, ...]:
 # int8 tensor cores, over the same plans and metadata as the 16-bit ones, at head_dim 128. Built
 # beside the catalog (not in all_rows): their sources hash apart from the 16-bit kernels' and
 # their plans are keyed by precision.
-QUANTIZED_TILES: tuple[TileConfig, ...] = (TileConfig(128, 128, 8),)
+QUANTIZED_TILES: tuple[TileConfig, ...] = (TileConfig(128, 128, 8), TileConfig(64, 64, 4))
 QUANTIZED_STAGES: tuple[int, ...] = (2, 3)
 QUANTIZED_HEAD_DIM = 128
 
@@ -111,7 +111,8 @@ DEFAULT_PV = "bf16"
 def quantized_rows() -> tuple[KernelRow, ...]:
     """Every 8-bit Hopper variant in a fixed order (built only for sm90a targets)."""
     return tuple(row for family in QUANTIZED_FAMILIES.values()
-                 for row in family_rows(family, QUANTIZED_TILES, (QUANTIZED_HEAD_DIM,), QUANTIZED_STAGES, "sm90a"))
+                 for row in family_rows(family, QUANTIZED_TILES, (QUANTIZED_HEAD_DIM,), QUANTIZED_STAGES, "sm90a",
+                                        HOPPER_TILE_STAGES))
 
 
 def pv_format(row: KernelRow) -> str:

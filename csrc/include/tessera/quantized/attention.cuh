@@ -642,7 +642,7 @@ __device__ void init_barriers(PipelineBarriers<T::kStages, T::kQStages>& bar) {
 }
 
 template <class T>
-__global__ void __launch_bounds__(T::kThreads, 1)
+__global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     attention_kernel(const __grid_constant__ TesseraQuantizedParams qp, const __grid_constant__ TmaMaps tma) {
   extern __shared__ unsigned char smem_raw[];
   // The 128-byte swizzle is a function of address bits: tiles start on 1024-byte boundaries.

@@ -31,7 +31,9 @@ struct Traits {
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   static constexpr bool kPingPong = kWarpgroups == 2;
   static constexpr int kMaxSlots = kTileKV / 16;
-  static constexpr int kCtasPerSm = 1;
+  // A 64 x 64 tile has one consumer warpgroup: two CTAs share an SM, so each one's softmax overlaps
+  // the other's GEMMs (as the 16-bit 64 x 64 kernels, tessera/hopper/traits.cuh).
+  static constexpr int kCtasPerSm = kTileQ == 64 && kTileKV == 64 ? 2 : 1;
 
   // Shared memory: Q buffers, then the K ring, the V ring, the K scales.
   static constexpr int kSmemQTileBytes = kTileQ * kHeadDim;
@@ -41,17 +43,19 @@ struct Traits {
   static constexpr int smem_bytes(int q_stages) {
     return q_stages * kSmemQTileBytes + kStages * (kSmemKTileBytes + kSmemVTileBytes + kSmemKScaleBytes) + 1024;
   }
-  static constexpr int kQStages = smem_bytes(2) + 2048 <= 228 * 1024 ? 2 : 1;
+  // Each CTA's shared memory with 2 KB of margin (the SM's 1 KB reserved per CTA, the barriers).
+  static constexpr bool fits(int bytes) { return kCtasPerSm * (bytes + 2048) <= 228 * 1024; }
+  static constexpr int kQStages = fits(smem_bytes(2)) ? 2 : 1;
   static constexpr int kSmemQBytes = kQStages * kSmemQTileBytes;
   static constexpr int kSmemBytes = smem_bytes(kQStages);
   static constexpr int kSmemKOffset = kSmemQBytes;
   static constexpr int kSmemVOffset = kSmemKOffset + kStages * kSmemKTileBytes;
   static constexpr int kSmemKScaleOffset = kSmemVOffset + kStages * kSmemVTileBytes;
 
-  static constexpr bool kReallocRegisters = kWarpgroups == 2;
-  static constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
+  static constexpr bool kReallocRegisters = kWarpgroups == 2 || kCtasPerSm == 2;
+  static constexpr int kLaunchRegisters = (65536 / (kThreads * kCtasPerSm)) / 8 * 8;
   static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kConsumerRegisters = kWarpgroups == 2 ? 232 : 216;
   static constexpr float kRescaleThreshold = 8.0f;  // lazy softmax reference (attention.cuh)
 
   // int32 values the scores and a tile's P V product reach: a score converts to fp32 exactly
@@ -104,7 +108,7 @@ struct Traits {
   static_assert(!kReallocRegisters || kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
                                           kLaunchRegisters * kThreads,
                 "register budgets fit the registers the CTA launches with");
-  static_assert(kSmemBytes + 2048 <= 228 * 1024, "shared memory of one CTA fits an H100/H200 SM");
+  static_assert(fits(kSmemBytes), "shared memory of kCtasPerSm CTAs fits an H100/H200 SM");
   static_assert(kSmemKOffset % 1024 == 0 && kSmemVOffset % 1024 == 0 && kSmemKScaleOffset % 16 == 0,
                 "swizzled tiles on 1024-byte boundaries, bulk copies on 16-byte ones");
 };
