@@ -457,6 +457,26 @@ __device__ __forceinline__ void release_k(PipelineBarriers<T::kStages, T::kQStag
   read_k.advance();
 }
 
+// O = P V (kFresh: the 8-bit P V's int32 product of one tile) or O += P V on the next V stage, once
+// the producer has filled it.
+template <bool kFresh, class T, class Views, class FragP, class FragO>
+__device__ __forceinline__ void issue_pv(hopper::TiledMmas<T>& mmas, const Views& views,
+                                         PipelineBarriers<T::kStages, T::kQStages>& bar,
+                                         const PipeState<T::kStages>& read_v, FragP& prob, FragO& o) {
+  Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
+  hopper::wgmma_issue<kFresh>(mmas.pv, prob, views.vt(_, _, _, read_v.stage), o);
+}
+
+// The P V that issue_pv started is done: P's and O's registers are free, the V stage is released.
+template <class T, class FragP, class FragO>
+__device__ __forceinline__ void pv_done(const LaneRelease& release, PipelineBarriers<T::kStages, T::kQStages>& bar,
+                                        PipeState<T::kStages>& read_v, FragP& prob, FragO& o) {
+  warpgroup_fence_operand(o);
+  warpgroup_fence_operand(prob);
+  release(&bar.v_empty[read_v.stage]);
+  read_v.advance();
+}
+
 // The consumers with an 8-bit P V: per KV tile i, issue O_i = P8_{i-1} V8_{i-1} (int32) and
 // S = Q8 K8_i^T; wait O_i, add it to O; wait S; softmax into P8_i; O *= alpha_i.
 template <class T, class SmemQ, class SmemK, class SmemVt>
@@ -498,16 +518,6 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       release_k<T>(bar, read_k);
       if (i == n - 1) release(&bar.q_empty[qs]);
     };
-    auto issue_pv = [&]() {
-      Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
-      hopper::wgmma_issue<true>(mmas.pv, prob, views.vt(_, _, _, read_v.stage), oi);
-    };
-    auto pv_done = [&]() {
-      warpgroup_fence_operand(oi);
-      warpgroup_fence_operand(prob);
-      release(&bar.v_empty[read_v.stage]);
-      read_v.advance();
-    };
 
     turns.wait_turn();
     issue_scores(mmas, views, qs, bar, read_k, s);
@@ -521,23 +531,23 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
     for (int i = 1; i < n; ++i) {
       act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
       turns.wait_turn();
-      issue_pv();
+      issue_pv<true>(mmas, views, bar, read_v, prob, oi);
       issue_scores(mmas, views, qs, bar, read_k, s);
       turns.pass_turn();
       warpgroup_wait<1>();  // O_{i-1} done (committed first), S_i in flight
       accumulate(o, oi, unit);
-      pv_done();
+      pv_done<T>(release, bar, read_v, prob, oi);
       stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
       warpgroup_wait<0>();
       scores(i);
       rescale(o, alpha);
     }
     turns.wait_turn();
-    issue_pv();
+    issue_pv<true>(mmas, views, bar, read_v, prob, oi);
     turns.pass_turn();
     warpgroup_wait<0>();
     accumulate(o, oi, unit);
-    pv_done();
+    pv_done<T>(release, bar, read_v, prob, oi);
   });
 }
 
@@ -579,16 +589,6 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
       softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
                         sf);
     };
-    auto issue_pv = [&]() {
-      Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
-      hopper::wgmma_issue<false>(mmas.pv, prob, views.vt(_, _, _, read_v.stage), o);
-    };
-    auto pv_done = [&]() {
-      warpgroup_fence_operand(o);
-      warpgroup_fence_operand(prob);
-      release(&bar.v_empty[read_v.stage]);
-      read_v.advance();
-    };
     auto to_prob = [&]() {
       CUTE_UNROLL
       for (int e = 0; e < size(sf); ++e) prob(e) = static_cast<Output>(sf(e));
@@ -605,21 +605,21 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
       act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
       turns.wait_turn();
       issue_scores(mmas, views, qs, bar, read_k, s);
-      issue_pv();
+      issue_pv<false>(mmas, views, bar, read_v, prob, o);
       turns.pass_turn();
       stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
       warpgroup_wait<1>();  // S_i done (committed first), O += P_{i-1} V_{i-1} in flight
       scores(i);
       warpgroup_wait<0>();
-      pv_done();
+      pv_done<T>(release, bar, read_v, prob, o);
       rescale(o, alpha);
       to_prob();
     }
     turns.wait_turn();
-    issue_pv();
+    issue_pv<false>(mmas, views, bar, read_v, prob, o);
     turns.pass_turn();
     warpgroup_wait<0>();
-    pv_done();
+    pv_done<T>(release, bar, read_v, prob, o);
   });
 }
 
