@@ -27,7 +27,7 @@ from tessera_diffusers.testing import TEST_GEOMETRIES, device_request, plans_to_
 
 pytestmark = pytest.mark.gpu
 
-QUANTIZED = [r.name for r in quantized_rows()]
+QUANTIZED = quantized_rows()
 
 
 def library():
@@ -82,20 +82,15 @@ def test_the_quantization_pass_is_the_twins(dtype):
     torch.testing.assert_close(got.lse_shift, want.lse_shift, rtol=1e-4, atol=1e-4)
 
 
-def base_kernel(name: str):
-    """The 16-bit Hopper catalog entry whose plans the 8-bit kernel ``name`` runs."""
-    return catalog.base_kernel(next(r for r in quantized_rows() if r.name == name))
-
-
-@pytest.mark.parametrize("name", QUANTIZED)
-def test_every_8bit_entry_on_every_family(name):
+@pytest.mark.parametrize("row", QUANTIZED, ids=lambda r: r.name)
+def test_every_8bit_entry_on_every_family(row):
     from tessera_diffusers import quantized_ops
 
     lib = library()
-    if name not in lib.kernel_ids:
-        pytest.skip(f"{name} is not in this build")
-    kernel = base_kernel(name)
-    pv = pv_format(next(r for r in quantized_rows() if r.name == name))
+    if row.name not in lib.kernel_ids:
+        pytest.skip(f"{row.name} is not in this build")
+    kernel = catalog.base_kernel(row)
+    pv = pv_format(row)
     failures, checked = [], 0
     for gi, (bq, bkv) in enumerate(TEST_GEOMETRIES):
         seq_q, seq_kv = 7 * bq + bq // 2 + 3, 9 * bkv - 5  # partial last blocks on both axes
@@ -138,7 +133,7 @@ def test_a_request_writes_every_row_and_bad_inputs_are_refused():
     from tessera_diffusers.errors import InvalidArgumentError
 
     library()
-    kernel = base_kernel(QUANTIZED[0])
+    kernel = catalog.base_kernel(QUANTIZED[0])
     mask = random_mask(1, 2, 1000, 1000, 32, 16, density=0.3, seed=5, device="cuda")
     q, k, v = offset_qkv(1, 1000, 1000, 2, kernel.torch_dtype, seed=5)
     plan = PhysicalPlan(32, 16, KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 1), kernel)
@@ -157,7 +152,7 @@ def test_sharp_queries_and_outlier_keys_stay_finite_and_within_the_budget(pv):
     from tessera_diffusers import quantized_ops
 
     library()
-    kernel = base_kernel(QUANTIZED[0])
+    kernel = catalog.base_kernel(QUANTIZED[0])
     seq, heads = 8192, 2
     mask = random_mask(1, heads, seq, seq, 128, 128, density=0.1, empty_rows=False, seed=1, device="cuda")
     q, k, v = random_qkv(1, seq, seq, heads, 128, torch.float32, "cuda", seed=7)
