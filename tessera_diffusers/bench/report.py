@@ -291,7 +291,24 @@ def write_plots(out_dir: Path, summary: dict) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    written = []
+
+    def grouped_bars(name: str, families: list[str], bars: dict[str, list[float]], ylabel: str, title: str) -> None:
+        """One bar per family and series (``bars``: label -> a value per family), a line at 1."""
+        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(families)), 4.5))
+        width = 0.8 / max(1, len(bars))
+        for i, (label, ys) in enumerate(bars.items()):
+            ax.bar([x + i * width for x in range(len(families))], ys, width, label=label)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(families))], families, rotation=30)
+        ax.set_ylabel(ylabel)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.legend(fontsize=7, ncol=2)
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=120)
+        plt.close(fig)
+        written.append(name)
+
+    written: list[str] = []
     for size, fams in summary["families"].items():
         families = family_sort(list(fams))
         yardstick = DENSE_YARDSTICK if any(DENSE_YARDSTICK in fams[f] for f in families) else None
@@ -300,42 +317,18 @@ def write_plots(out_dir: Path, summary: dict) -> list[str]:
             yardstick = present[0] if present else None
         if yardstick:
             backends = [b for b in ordered_columns({b for f in families for b in fams[f]}) if b != yardstick]
-            fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(families)), 4.5))
-            width = 0.8 / max(1, len(backends))
-            for i, b in enumerate(backends):
-                ys = [fams[f][yardstick]["kernel_ms"] / fams[f][b]["kernel_ms"] if b in fams[f] and yardstick in fams[f]
-                      else 0 for f in families]
-                ax.bar([x + i * width for x in range(len(families))], ys, width, label=b)
-            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(families))], families, rotation=30)
-            ax.set_ylabel(f"kernel speedup over {yardstick}")
-            ax.axhline(1.0, color="grey", lw=0.8)
-            ax.legend(fontsize=7, ncol=2)
-            ax.set_title(f"{size}: speedup per family over {yardstick}")
-            fig.tight_layout()
-            path = out_dir / f"speedup_vs_dense_{size}.png"
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-            written.append(path.name)
+            bars = {b: [fams[f][yardstick]["kernel_ms"] / fams[f][b]["kernel_ms"] if b in fams[f] and yardstick in fams[f]
+                        else 0 for f in families] for b in backends}
+            grouped_bars(f"speedup_vs_dense_{size}.png", families, bars, f"kernel speedup over {yardstick}",
+                         f"{size}: speedup per family over {yardstick}")
         for target, by_baseline in summary["speedups"].items():
             baselines = [b for b in sorted(by_baseline) if size in by_baseline[b]]
             if not baselines:
                 continue
-            fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(families)), 4.5))
-            width = 0.8 / len(baselines)
-            for i, b in enumerate(baselines):
-                fam_speed = by_baseline[b][size]["families"]
-                ys = [fam_speed[f]["speedup"] if f in fam_speed else 0 for f in families]
-                ax.bar([x + i * width for x in range(len(families))], ys, width, label=b)
-            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(families))], families, rotation=30)
-            ax.set_ylabel(f"{target} speedup (baseline ms / {target} ms)")
-            ax.axhline(1.0, color="grey", lw=0.8)
-            ax.legend(fontsize=7, ncol=2)
-            ax.set_title(f"{size}: {target} speedup per family per baseline")
-            fig.tight_layout()
-            path = out_dir / f"{target}_speedup_{size}.png"
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-            written.append(path.name)
+            bars = {b: [by_baseline[b][size]["families"][f]["speedup"] if f in by_baseline[b][size]["families"] else 0
+                        for f in families] for b in baselines}
+            grouped_bars(f"{target}_speedup_{size}.png", families, bars,
+                         f"{target} speedup (baseline ms / {target} ms)", f"{size}: {target} speedup per family per baseline")
     return written
 
 
