@@ -4,6 +4,7 @@ baselines on the mask corpus and write a report. What it writes and how long it 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -110,60 +111,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if args.smoke:
-        return BenchConfig(
-            out_dir=args.out,
-            mode=args.mode,
-            sizes=("smoke",),
-            families=args.families or SMOKE_FAMILIES,
-            sources=args.sources,
-            cases_per_family=args.cases_per_family,
-            backends=args.backends or ("reference", "tessera", "tessera-plans"),
-            dtype=args.dtype,
-            head_dim=64,
-            batch=args.batch,
-            heads=args.heads,
-            warmup=1,
-            interleave=args.interleave,
-            reps=2,
-            input_sets=2,
-            request_reps=1,
-            plan_filter=args.plan_filter,
-            validate_heads=args.validate_heads,
-            atol=args.atol,
-            device=device,
-            seed=args.seed,
-            plots=not args.no_plots,
-            resume=args.resume,
-            progress=not args.no_progress,
-        )
-    backends = args.backends or default_backends(args.mode, torch.device(device).type)
-    if args.no_flashinfer:
-        backends = tuple(b for b in backends if b not in FLASHINFER_NAMES)
-    if args.all_plans and "tessera-plans" not in backends:
-        backends = backends + ("tessera-plans",)
-    default_sizes = ("n32k", "wan720p") if args.mode == "kernels" else ("n32k",)
-    return BenchConfig(
+    config = functools.partial(  # what both configurations take from the arguments
+        BenchConfig,
         out_dir=args.out,
         mode=args.mode,
-        sizes=args.sizes or default_sizes,
-        families=args.families or ALL_FAMILIES,
         sources=args.sources,
         cases_per_family=args.cases_per_family,
-        full=args.full,
-        corpus_dir=args.corpus,
-        backends=backends,
         dtype=args.dtype,
-        head_dim=args.head_dim,
         batch=args.batch,
         heads=args.heads,
-        warmup=args.warmup,
-        warmup_ms=args.warmup_ms,
         interleave=args.interleave,
-        reps=args.reps,
-        input_sets=args.input_sets,
-        request_reps=args.request_reps,
-        plan_request_reps=args.plan_request_reps,
         plan_filter=args.plan_filter,
         validate_heads=args.validate_heads,
         atol=args.atol,
@@ -172,6 +129,37 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         plots=not args.no_plots,
         resume=args.resume,
         progress=not args.no_progress,
+    )
+    if args.smoke:  # tiny sizes, 64-dim heads, few timings
+        return config(
+            sizes=("smoke",),
+            families=args.families or SMOKE_FAMILIES,
+            backends=args.backends or ("reference", "tessera", "tessera-plans"),
+            head_dim=64,
+            warmup=1,
+            reps=2,
+            input_sets=2,
+            request_reps=1,
+        )
+    backends = args.backends or default_backends(args.mode, torch.device(device).type)
+    if args.no_flashinfer:
+        backends = tuple(b for b in backends if b not in FLASHINFER_NAMES)
+    if args.all_plans and "tessera-plans" not in backends:
+        backends = backends + ("tessera-plans",)
+    default_sizes = ("n32k", "wan720p") if args.mode == "kernels" else ("n32k",)
+    return config(
+        sizes=args.sizes or default_sizes,
+        families=args.families or ALL_FAMILIES,
+        full=args.full,
+        corpus_dir=args.corpus,
+        backends=backends,
+        head_dim=args.head_dim,
+        warmup=args.warmup,
+        warmup_ms=args.warmup_ms,
+        reps=args.reps,
+        input_sets=args.input_sets,
+        request_reps=args.request_reps,
+        plan_request_reps=args.plan_request_reps,
     )
 
 
