@@ -260,6 +260,25 @@ def test_the_8bit_choice_takes_one_cta_per_task_before_a_persistent_grid():
     assert not selection.chosen.tasks.persistent
 
 
+def test_the_8bit_choice_follows_the_16bit_ranking_to_a_64x64_tile():
+    import dataclasses
+
+    from tessera_diffusers.catalog import all_kernels, quantized_kernel
+    from tessera_diffusers.mask_state import build_mask_state
+    from tessera_diffusers.plans import INPUT_PRECISION, Request
+    from tessera_diffusers.selector import Selector
+
+    mask = random_mask(1, 2, 8192, 8192, 64, 32, density=0.1, seed=2)
+    request = Request(1, 2, 8192, 8192, 128, "bf16", 64, 32, "sm90", precision="int8")
+    state = build_mask_state(mask)
+    base = Selector(kernels=all_kernels()).rank(dataclasses.replace(request, precision=INPUT_PRECISION), state)
+    assert (base.chosen.tile_q, base.chosen.tile_kv) == (64, 64)  # the 16-bit choice: a 64 x 64 plan
+    chosen = Selector(kernels=all_kernels()).quantized(request, state).chosen
+    assert (chosen.tile_q, chosen.tile_kv, chosen.mapping_name) == (64, 64, base.chosen.mapping_name)
+    row = quantized_kernel(chosen.kernel)
+    assert (row.tile_q, row.tile_kv, row.stages) == (64, 64, chosen.kernel.stages)
+
+
 def test_every_8bit_kernel_runs_the_plans_of_its_base_kernel():
     from tessera_diffusers.catalog import base_kernel, quantized_kernel
     from tessera_diffusers.kernel_table import pv_format, quantized_rows
