@@ -120,7 +120,7 @@ def run_quantized(only: str | None, device: torch.device) -> int:
             if why is not None:
                 raise SystemExit(f"{row.name}: {plan.name} cannot run: {why}")
             scale = 1 / math.sqrt(base.head_dim)
-            x = quantized_ops.quantize(q, k, v, scale, pv, quantized.k_chunk_for(plan, pv))
+            x = quantized_ops.quantize(q, k, v, scale, pv)
             out = quantized_ops.run_quantized(prepare(plan, build_mask_state(mask)), q, k, v, scale, False,
                                               quantized=x, pv=pv)
             fit = quantized.agreement(out, reference.attention(q.float(), k.float(), v.float(), mask, scale))

@@ -183,9 +183,9 @@ using Traits_{row.name} = {traits_of(row)};
 int launch_{row.name}(const TesseraQuantizedParams& p, cudaStream_t stream) {{
   return tessera::quantized::launch<Traits_{row.name}>(p, stream);
 }}
-int ctas_per_sm_{row.name}() {{  // either instantiation: the same launch bounds and shared memory
-  return tessera::occupancy(tessera::quantized::attention_kernel<Traits_{row.name}, false>,
-                            Traits_{row.name}::kThreads, Traits_{row.name}::kSmemBytes);
+int ctas_per_sm_{row.name}() {{
+  return tessera::occupancy(tessera::quantized::attention_kernel<Traits_{row.name}>, Traits_{row.name}::kThreads,
+                            Traits_{row.name}::kSmemBytes);
 }}
 int smem_bytes_{row.name}() {{ return Traits_{row.name}::kSmemBytes; }}
 tessera::quantized::KernelLimits limits_{row.name}() {{

@@ -88,7 +88,7 @@ class TesseraQuantizedParams(ctypes.Structure):
         ("v_mean", ctypes.c_void_p),
         ("lse_shift", ctypes.c_void_p),
         ("seq_kv_padded", ctypes.c_int32),
-        ("k_scale_tile", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -111,7 +111,7 @@ class TesseraQuantizeParams(ctypes.Structure):
         ("dtype", ctypes.c_int32),
         ("segments", ctypes.c_int32),
         ("scale", ctypes.c_float),
-        ("k_chunk", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
         ("q8", ctypes.c_void_p),
         ("q_scale", ctypes.c_void_p),
         ("k8", ctypes.c_void_p),

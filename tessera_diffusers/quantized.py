@@ -7,9 +7,7 @@ Hopper's 8-bit tensor cores (INT8 and FP8) run at twice the bf16 rate. Per ``(ba
   column factor of the score tile, independent of the physical plan. K loses its mean over tokens
   first (``k_mean``): a channel offset shared by every key shifts a row's scores by a constant,
   which the softmax ignores, but it would set every token's scale and crush its other channels. The
-  log-sum-exp gets the shift back (``lse_shift``). With ``k_chunk=K_CHUNK`` the keys of each
-  aligned run of ``K_CHUNK`` tokens share one scale instead (what the kernels take on contiguous KV
-  tiles: a tile is then one K scale, folded into the row factor, with no factor per key).
+  log-sum-exp gets the shift back (``lse_shift``).
 - ``P V`` in INT8 (``pv="int8"``): the probabilities of a row within one KV tile of
   ``kv_tile`` keys are unsigned 8-bit numbers of the tile's own maximum,
   ``p8 = round(255 * p / max_tile p)``; V is signed 8-bit with a scale per channel, after losing its
@@ -42,7 +40,6 @@ import torch
 from .errors import InvalidArgumentError
 from .kernel_table import DEFAULT_PV
 from .mask import LogicalMask
-from .plans import KvLayout, PhysicalPlan
 from .reference import row_chunks
 from .validation import check_inputs
 
@@ -50,7 +47,6 @@ INT8_MAX = 127.0
 UINT8_MAX = 255.0
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 PV_FORMATS = ("int8", "fp8", "bf16")
-K_CHUNK = 128  # keys per K scale on contiguous KV tiles (TESSERA_QUANTIZED_ALIGN: a KV tile lies in one)
 
 # What an 8-bit result should meet against the fp32 oracle, over a whole request.
 MIN_COSINE = 0.999
@@ -77,14 +73,9 @@ class QuantizedInputs:
         return {torch.int8: "int8", torch.bfloat16: "bf16"}.get(self.v.dtype, "fp8")
 
 
-def per_token_int8(x: torch.Tensor, chunk: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [B, S, H, D] fp32 as int8 with a scale per (b, s, h), shared by the tokens of each aligned
-    run of ``chunk`` (the scale of their largest magnitude); an all-zero run keeps scale 1."""
-    amax = x.abs().amax(-1)  # [B, S, H]
-    if chunk > 1:
-        seq = amax.shape[1]
-        runs = torch.nn.functional.pad(amax, (0, 0, 0, -seq % chunk)).unflatten(1, (-1, chunk))
-        amax = runs.amax(2, keepdim=True).expand_as(runs).flatten(1, 2)[:, :seq]
+def per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [B, S, H, D] fp32 as int8 with a scale per (b, s, h); a zero token keeps scale 1."""
+    amax = x.abs().amax(-1)
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     return torch.round(x / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
@@ -96,16 +87,15 @@ def per_channel(x: torch.Tensor, top: float) -> torch.Tensor:
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv: str = DEFAULT_PV,
-             smooth_k: bool = True, k_chunk: int = 1) -> QuantizedInputs:
-    """Quantize a checked request's q ``[B, Sq, H, D]``, k and v ``[B, Skv, H, D]`` (``smooth_k=False``
-    keeps K's mean in, to measure what it is worth; ``k_chunk`` keys share a K scale)."""
+             smooth_k: bool = True) -> QuantizedInputs:
+    """Quantize a checked request's q ``[B, Sq, H, D]``, k and v ``[B, Skv, H, D]``
+    (``smooth_k=False`` keeps K's mean in, to measure what it is worth)."""
     if pv not in PV_FORMATS:
         raise InvalidArgumentError("pv", f"one of {PV_FORMATS}", repr(pv))
-    check_k_chunk(k_chunk)
     qf, kf, vf = q.float(), k.float(), v.float()
     k_mean = kf.mean(1) if smooth_k else torch.zeros_like(kf[:, 0])  # [B, H, D]
     q8, q_scale = per_token_int8(qf)
-    k8, k_scale = per_token_int8(kf - k_mean.unsqueeze(1), k_chunk)
+    k8, k_scale = per_token_int8(kf - k_mean.unsqueeze(1))
     if pv == "int8":
         v_mean = vf.mean(1)
         centred = vf - v_mean.unsqueeze(1)
@@ -124,30 +114,17 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LogicalMask, scale: float | None = None,
               return_lse: bool = False, pv: str = DEFAULT_PV, kv_tile: int = 128,
-              smooth_k: bool = True, k_chunk: int = 1) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              smooth_k: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-masked 8-bit attention as the 8-bit kernels compute it (module docstring), in q's dtype.
 
-    q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]``, finite; ``kv_tile`` keys share a P scale, ``k_chunk``
-    keys a K scale (1: per token, as on packed KV tiles; ``K_CHUNK``: as on contiguous ones). Returns
+    q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]``, finite; ``kv_tile`` keys share a P scale. Returns
     out ``[B, Sq, H, D]`` and, with ``return_lse``, lse ``[B, H, Sq]`` fp32."""
     scale = check_inputs(q, k, v, mask, scale, check_finite=True)
     if isinstance(kv_tile, bool) or not isinstance(kv_tile, int) or kv_tile < 1:
         raise InvalidArgumentError("kv_tile", "a positive int (keys per P scale)", repr(kv_tile))
-    out, lse = run(quantize(q, k, v, scale, pv, smooth_k, k_chunk), mask, kv_tile)
+    out, lse = run(quantize(q, k, v, scale, pv, smooth_k), mask, kv_tile)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
-
-
-def k_chunk_for(plan: PhysicalPlan, pv: str = DEFAULT_PV) -> int:
-    """Tokens per K scale for ``plan``'s 8-bit kernel: ``K_CHUNK`` where its KV tiles are aligned spans
-    (a contiguous layout: each lies in one run) and the kernel has a 16-bit P V, else 1 (per token)."""
-    return K_CHUNK if pv == "bf16" and plan.kv_layout is KvLayout.CONTIGUOUS else 1
-
-
-def check_k_chunk(k_chunk: int) -> None:
-    """Refuse a K scale run that is not a positive int (``InvalidArgumentError`` naming ``k_chunk``)."""
-    if isinstance(k_chunk, bool) or not isinstance(k_chunk, int) or k_chunk < 1:
-        raise InvalidArgumentError("k_chunk", "a positive int (keys per K scale)", repr(k_chunk))
 
 
 def rounded_probabilities(p: torch.Tensor, pv: str, kv_tile: int) -> torch.Tensor:

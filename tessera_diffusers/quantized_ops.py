@@ -5,10 +5,8 @@ as: ``quantize`` (one pass over q, k and, for an 8-bit P V, v: int8 copies, per-
 per-channel scales, the means and the log-sum-exp shift), then the 8-bit kernel of the P V format
 (``kernel_table.QUANTIZED_FAMILIES``; ``DEFAULT_PV`` for precision="int8") over a prepared plan of
 the 16-bit catalog whose tile it has (``catalog.quantized_kernel``): the same metadata, tasks and
-split-K merge. On a plan with contiguous KV tiles the 16-bit P V kernels take one K scale per tile:
-the pass then scales K per aligned run of ``K_CHUNK`` tokens (``k_chunk``), each tile lies in one
-run, and the scale folds into the row factors (no factor per score). The quantized tensors are the
-kernels' own layouts (``csrc/include/tessera/quantized/params.h``).
+split-K merge. The quantized tensors are the kernels' own layouts
+(``csrc/include/tessera/quantized/params.h``).
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from .library import (
     quantized_library,
 )
 from .prepared import PreparedPlan
-from .quantized import K_CHUNK, k_chunk_for
 
 SEQ_ALIGN = 128  # TESSERA_QUANTIZED_ALIGN: k8, k_scale and v8 hold Skv rounded up to it (zeros past Skv)
 CHUNK = 16  # tokens per v8 chunk
@@ -59,7 +56,6 @@ class QuantizedTensors:
     k_mean: torch.Tensor  # [B, H, D] fp32
     lse_shift: torch.Tensor  # [B, H, Sq] fp32
     seq_kv: int
-    k_chunk: int = 1  # tokens per K scale: 1 or K_CHUNK (aligned runs)
 
     @property
     def seq_kv_padded(self) -> int:
@@ -99,15 +95,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise InvalidArgumentError(name, "a contiguous last dim (stride 1)", f"strides {tuple(t.stride())}")
 
 
-def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv: str = DEFAULT_PV,
-             k_chunk: int = 1) -> QuantizedTensors:
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv: str = DEFAULT_PV) -> QuantizedTensors:
     """The quantization pass on the GPU: q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]`` (bf16 or fp16,
     D = 128) -> ``QuantizedTensors`` for the kernels of P V format ``pv`` (V is quantized only for
-    ``pv="int8"``), K with a scale per ``k_chunk`` tokens (1 or ``K_CHUNK``: ``k_chunk_for``); three
-    launches on the current stream, no sync."""
+    ``pv="int8"``; three launches on the current stream, no sync)."""
     check_pv(pv)
-    if k_chunk not in (1, K_CHUNK) or isinstance(k_chunk, bool):
-        raise InvalidArgumentError("k_chunk", f"1 or {K_CHUNK} (tokens per K scale)", repr(k_chunk))
     check_inputs(q, k, v)
     lib = require_library().lib
     q, k, v = (ops.with_aligned_loads(t) for t in (q, k, v))  # rows read 8 bytes per lane from 16-byte starts
@@ -130,7 +122,6 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv
         k_mean=torch.empty(batch, heads, head_dim, **f32),
         lse_shift=torch.empty(batch, heads, seq_q, **f32),
         seq_kv=seq_kv,
-        k_chunk=k_chunk,
     )
     partials = torch.empty(batch, heads, segments, 4, head_dim, **f32)
     p = TesseraQuantizeParams()
@@ -140,7 +131,6 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv
             field[i] = t.stride(i)
     p.batch, p.heads, p.seq_q, p.seq_kv, p.seq_kv_padded = batch, heads, seq_q, seq_kv, padded
     p.head_dim, p.dtype, p.segments, p.scale = head_dim, DTYPE_CODES[q.dtype], segments, scale
-    p.k_chunk = k_chunk
     p.q8, p.q_scale, p.k8, p.k_scale = x.q8.data_ptr(), x.q_scale.data_ptr(), x.k8.data_ptr(), x.k_scale.data_ptr()
     if with_v:
         p.v8, p.v_scale, p.v_mean = x.v8.data_ptr(), x.v_scale.data_ptr(), x.v_mean.data_ptr()
@@ -156,8 +146,7 @@ def run_quantized(prepared: PreparedPlan, q: torch.Tensor, k: torch.Tensor, v: t
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """8-bit attention over ``prepared`` (a plan whose kernel has an 8-bit variant, ``catalog.quantized_kernel``):
     q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]`` -> out ``[B, Sq, H, D]`` in q's dtype (and lse
-    ``[B, H, Sq]`` fp32). ``quantized``: the pass's result for these q, k, v, if already made (its
-    K scales per ``k_chunk_for(plan, pv)`` tokens give one K scale per tile; per token, one per key).
+    ``[B, H, Sq]`` fp32). ``quantized``: the pass's result for these q, k, v, if already made.
     ``pv``: the P V format (``kernel_table.QUANTIZED_FAMILIES``): "int8" reads the pass's v8,
     "bf16" (INT8 Q K^T only) reads v itself in its 16-bit type."""
     check_pv(pv)
@@ -177,8 +166,7 @@ def run_quantized(prepared: PreparedPlan, q: torch.Tensor, k: torch.Tensor, v: t
     check_inputs(q, k, v)
     prepared.check_call(q, k, v)
     config = ops.check_launch(q, k, v, spec, prepared.metadata, prepared.launch_config())
-    k_chunk = k_chunk_for(prepared.plan, pv)
-    x = quantized if quantized is not None else quantize(q, k, v, scale, pv, k_chunk)
+    x = quantized if quantized is not None else quantize(q, k, v, scale, pv)
     if pv == "int8" and x.v8 is None:
         raise InvalidArgumentError("quantized", "the pass's tensors with v8 (quantize(..., pv=\"int8\"))",
                                    "tensors without v8")
@@ -200,7 +188,6 @@ def run_quantized(prepared: PreparedPlan, q: torch.Tensor, k: torch.Tensor, v: t
         params.v_scale, params.v_mean = x.v_scale.data_ptr(), x.v_mean.data_ptr()
     params.lse_shift = x.lse_shift.data_ptr()
     params.seq_kv_padded = x.seq_kv_padded
-    params.k_scale_tile = int(k_chunk == K_CHUNK and x.k_chunk == K_CHUNK)
     lib = qlib.lib
     with torch.cuda.device(q.device):
         stream = ctypes.c_void_p(current_stream_handle(q.device))

@@ -61,7 +61,6 @@ from .kernel_table import DEFAULT_PV
 from .mask_state import MaskState
 from .plan_table import STAT_NAMES, PlanTable, RankedPlan, Regime, RegimeTree, ScheduleRule, default_table, tile_group
 from .plans import INPUT_PRECISION, Family, KernelSpec, PhysicalPlan, QLayout, Request
-from .quantized import K_CHUNK, k_chunk_for
 
 AUTO = "auto"  # Selector.table: the shipped table of each request's architecture
 Warn = Callable[[str], None]
@@ -104,8 +103,7 @@ class Selection:
                 lines.append(f"  ... {len(self.rejected) - limit} more")
         chosen = self.chosen.name if self.chosen else "reference oracle"
         if self.chosen is not None and self.request.precision == "int8":
-            chosen += (f" (8-bit kernel {quantized_kernel(self.chosen.kernel).name}, K scales "
-                       f"{K_SCALES[k_chunk_for(self.chosen)]})")
+            chosen += f" (8-bit kernel {quantized_kernel(self.chosen.kernel).name})"
         lines.append(f"chosen   {chosen}")
         return "\n".join(lines)
 
@@ -615,9 +613,6 @@ def warn_user(message: str) -> None:
 
 # Where the 8-bit kernels of each P V format (kernel_table.QUANTIZED_FAMILIES) run P V, for explain.
 PV_WHERE = {"bf16": "in the inputs' 16-bit type", "int8": "on the 8-bit tensor cores"}
-
-# The K scales an 8-bit plan takes (quantized.k_chunk_for), for explain.
-K_SCALES = {1: "per token", K_CHUNK: f"per {K_CHUNK} tokens, one per KV tile"}
 
 # Why an 8-bit choice takes a plan with one CTA per task before a persistent one.
 QUANTIZED_GRID = ("the 8-bit kernels stride a persistent grid statically, where the hardware hands "

@@ -48,9 +48,6 @@ bool valid_attention(const TesseraQuantizedParams& qp, const tessera::quantized:
       qp.k_scale == nullptr || qp.lse_shift == nullptr)
     return false;
   if (!k.pv16 && (qp.v_scale == nullptr || qp.v_mean == nullptr)) return false;  // an 8-bit P V restores V with them
-  // One K scale per tile: 16-bit P V kernels, KV tiles within one aligned run of the pass's K scales.
-  if (qp.k_scale_tile != 0 && (qp.k_scale_tile != 1 || !k.pv16 || TESSERA_QUANTIZED_ALIGN % k.tile_kv != 0))
-    return false;
   if (p.task_counter != nullptr) return false;  // the 8-bit kernels take tasks by static striding only
   if (p.batch < 1 || p.heads < 1 || p.seq_q < 1 || p.seq_kv < 1 || !padded_kv(p.seq_kv, qp.seq_kv_padded)) return false;
   if ((p.mask_batch != 1 && p.mask_batch != p.batch) || (p.mask_heads != 1 && p.mask_heads != p.heads)) return false;
@@ -84,7 +81,6 @@ bool valid_quantize(const TesseraQuantizeParams& p) {
   if (int64_t(p.batch) * p.heads > kMaxGridY) return false;
   if (p.head_dim != TESSERA_QUANTIZED_HEAD_DIM || (p.dtype != TESSERA_BF16 && p.dtype != TESSERA_FP16)) return false;
   if (p.segments < 1 || p.segments > p.seq_kv || p.segments > kMaxGridY) return false;
-  if (p.k_chunk != 1 && p.k_chunk != TESSERA_QUANTIZED_ALIGN) return false;  // a K run is one quantize_rows CTA
   // Rows are read four elements (8 bytes) at a time.
   if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !strides_multiple_of(p.q_stride, 8) ||
       !strides_multiple_of(p.k_stride, 8) || !strides_multiple_of(p.v_stride, 8))

@@ -153,7 +153,6 @@ class TesseraQuantized(Backend):
     def __init__(self, kernel_only: bool = False, pv: str = DEFAULT_PV):
         self.kernel_only = kernel_only
         self.pv = pv
-        self.k_chunk = 1  # tokens per K scale the last prepared plan takes (quantized_ops.k_chunk_for)
         self.name = ("tessera-int8" if pv == DEFAULT_PV else "tessera-int8pv") + ("-kernel" if kernel_only else "")
 
     def prepare(self, problem: Problem) -> tuple[PreparedPlan, float]:
@@ -164,11 +163,7 @@ class TesseraQuantized(Backend):
                 raise Skip("this build of the library has no 8-bit kernels")
         except CatalogError as err:
             raise Skip(f"native kernels unavailable: {err}") from err
-        from ..quantized import k_chunk_for
-
-        prepared = self.prepared_plan(problem)
-        self.k_chunk = k_chunk_for(prepared.plan, self.pv)  # convert quantizes as the request would
-        return prepared, problem.scale
+        return self.prepared_plan(problem), problem.scale
 
     @staticmethod
     def prepared_plan(problem: Problem) -> PreparedPlan:
@@ -185,7 +180,7 @@ class TesseraQuantized(Backend):
             return (q, k, v)
         from ..quantized_ops import quantize
 
-        return (q, k, v, quantize(q, k, v, 1.0 / q.shape[-1] ** 0.5, self.pv, self.k_chunk))
+        return (q, k, v, quantize(q, k, v, 1.0 / q.shape[-1] ** 0.5, self.pv))
 
     def run(self, prepared: tuple[PreparedPlan, float], inputs: Inputs) -> torch.Tensor:
         from ..quantized_ops import run_quantized

@@ -80,13 +80,6 @@ def test_the_quantization_pass_is_the_twins(dtype):
     torch.testing.assert_close(got.v_mean, want.v_mean, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.v_scale, want.v_scale, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got.lse_shift, want.lse_shift, rtol=1e-4, atol=1e-4)
-    # K scaled per aligned run of 128 tokens (777 keys: six whole runs and a partial one)
-    runs = quantized_ops.quantize(q, k, v, scale, pv="bf16", k_chunk=quantized.K_CHUNK)
-    want = quantized.quantize(q, k, v, scale, pv="bf16", k_chunk=quantized.K_CHUNK)
-    close_integers(runs.k8[:, :, :777], want.k.transpose(1, 2))
-    torch.testing.assert_close(runs.k_scale[:, :, :777], want.k_scale.transpose(1, 2), rtol=1e-5, atol=1e-7)
-    assert not bool(runs.k8[:, :, 777:].any()) and not bool(runs.k_scale[:, :, 777:].any())
-    assert torch.equal(runs.q8, got.q8) and runs.k_chunk == quantized.K_CHUNK
 
 
 @pytest.mark.parametrize("row", QUANTIZED, ids=lambda r: r.name)
@@ -105,18 +98,14 @@ def test_every_8bit_entry_on_every_family(row):
         q, k, v = offset_qkv(2, seq_q, seq_kv, 3, kernel.torch_dtype, seed=gi)
         scale = 1 / math.sqrt(128)
         oracle, oracle_lse = reference.attention(q.float(), k.float(), v.float(), mask, scale, True)
-        twins, passes = {}, {}  # per K scale run (quantized.k_chunk_for)
+        twin = quantized.attention(q, k, v, mask, scale, pv=pv)
+        x = quantized_ops.quantize(q, k, v, scale, pv)
         empty = torch.isinf(oracle_lse)  # [B, H, Sq]: rows with no active key
         for plan in plans_to_check(kernel, bq, bkv):
             if rejection(plan, device_request(q, k, mask, plan)) is not None:
                 continue
-            chunk = quantized.k_chunk_for(plan, pv)
-            if chunk not in passes:
-                twins[chunk] = quantized.attention(q, k, v, mask, scale, pv=pv, k_chunk=chunk)
-                passes[chunk] = quantized_ops.quantize(q, k, v, scale, pv, chunk)
-            twin = twins[chunk]
             prepared = prepare(plan, build_mask_state(mask))
-            out, lse = quantized_ops.run_quantized(prepared, q, k, v, scale, True, quantized=passes[chunk], pv=pv)
+            out, lse = quantized_ops.run_quantized(prepared, q, k, v, scale, True, quantized=x, pv=pv)
             checked += 1
             fit = quantized.agreement(out, oracle)
             to_twin = quantized.agreement(out, twin.float())
@@ -137,38 +126,6 @@ def test_every_8bit_entry_on_every_family(row):
                 failures.append(f"{plan.name} ({bq}x{bkv}): " + ", ".join(bad))
     assert checked > 0
     assert not failures, "\n".join(failures)
-
-
-@pytest.mark.parametrize("row", [r for r in QUANTIZED if pv_format(r) == "bf16"], ids=lambda r: r.name)
-def test_one_k_scale_per_tile_computes_what_a_scale_per_key_does(row):
-    # The same K scales (one per run of 128 tokens), read once per tile and folded into the row
-    # factors, or read per key: the two kernels differ only in the order of fp32 products.
-    import dataclasses
-
-    from tessera_diffusers import quantized_ops
-
-    lib = library()
-    if row.name not in lib.kernel_ids:
-        pytest.skip(f"{row.name} is not in this build")
-    kernel = catalog.base_kernel(row)
-    scale = 1 / math.sqrt(128)
-    checked = 0
-    for bq, bkv in ((128, 128), (384, 384), (64, 64), (64, 32)):
-        seq_q, seq_kv = 5 * bq + 37, 6 * bkv - 45
-        mask = random_mask(2, 3, seq_q, seq_kv, bq, bkv, density=0.4, seed=bq + bkv, device="cuda")
-        q, k, v = offset_qkv(2, seq_q, seq_kv, 3, kernel.torch_dtype, seed=bq)
-        x = quantized_ops.quantize(q, k, v, scale, "bf16", quantized.K_CHUNK)
-        per_key = dataclasses.replace(x, k_chunk=1)  # the same scales, read per key
-        for plan in plans_to_check(kernel, bq, bkv):
-            if plan.kv_layout is not KvLayout.CONTIGUOUS or rejection(plan, device_request(q, k, mask, plan)):
-                continue
-            prepared = prepare(plan, build_mask_state(mask))
-            tile = quantized_ops.run_quantized(prepared, q, k, v, scale, False, quantized=x)
-            key = quantized_ops.run_quantized(prepared, q, k, v, scale, False, quantized=per_key)
-            fit = quantized.agreement(tile, key.float())
-            assert fit.relative_l2 < 2e-3, (plan.name, vars(fit))
-            checked += 1
-    assert checked > 0
 
 
 def test_a_request_writes_every_row_and_bad_inputs_are_refused():

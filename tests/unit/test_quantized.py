@@ -119,47 +119,10 @@ def test_a_tile_whose_step_underflows_rounds_to_zero_not_nan():
     assert torch.isfinite(tiled).all() and float(tiled[0, 2:].abs().max()) <= 1e-44
 
 
-@pytest.mark.parametrize("geometry", TEST_GEOMETRIES, ids=lambda g: f"Q{g[0]}K{g[1]}")
-def test_k_scales_per_run_of_128_tokens_meet_the_budget_on_every_geometry(geometry):
-    q, k, v, mask = request(*geometry)
-    oracle = reference.attention(q, k, v, mask, out_dtype=torch.float32)
-    out = quantized.attention(q, k, v, mask, k_chunk=quantized.K_CHUNK)
-    agreement = quantized.agreement(out, oracle)
-    assert agreement.within_budget(), agreement
-
-
-def test_a_run_of_128_keys_shares_the_largest_of_its_tokens_scales():
-    q, k, v, _ = request(64, 64)  # 700 keys: five whole runs and a partial one
-    per_token = quantized.quantize(q, k, v, 0.125)
-    x = quantized.quantize(q, k, v, 0.125, k_chunk=quantized.K_CHUNK)
-    runs = torch.nn.functional.pad(per_token.k_scale, (0, 0, 0, -SEQ_KV % 128)).unflatten(1, (-1, 128))
-    want = runs.amax(2, keepdim=True).expand_as(runs).flatten(1, 2)[:, :SEQ_KV]
-    torch.testing.assert_close(x.k_scale, want, rtol=0, atol=0)
-    assert bool((x.k_scale[:, 128:256] == x.k_scale[:, 128:129]).all())  # one scale per run
-    assert not torch.equal(x.k_scale[:, 0], x.k_scale[:, 128])  # runs differ
-    centred = k.float() - x.k_mean.unsqueeze(1)
-    assert bool(((x.k.float() * x.k_scale.unsqueeze(-1) - centred).abs() <= x.k_scale.unsqueeze(-1) / 2 + 1e-6).all())
-    torch.testing.assert_close(x.q_scale, per_token.q_scale, rtol=0, atol=0)  # Q stays per token
-
-
-def test_k_scales_per_run_only_where_an_8bit_kernel_takes_them():
-    from tessera_diffusers.catalog import all_kernels, quantized_kernel
-    from tessera_diffusers.plans import KvLayout, PhysicalPlan, TaskOrganization
-
-    kernel = next(k for k in all_kernels() if quantized_kernel(k) is not None)
-    contiguous = PhysicalPlan(128, 128, KvLayout.CONTIGUOUS, TaskOrganization(), kernel)
-    packed = PhysicalPlan(32, 16, KvLayout.PACKED, TaskOrganization(), kernel)
-    assert quantized.k_chunk_for(contiguous) == quantized.K_CHUNK  # each KV tile in one aligned run
-    assert quantized.k_chunk_for(packed) == 1  # a gathered tile's keys come from anywhere
-    assert quantized.k_chunk_for(contiguous, pv="int8") == 1  # the 8-bit P V kernels scale every key
-
-
 @pytest.mark.parametrize("bad, argument", [
     ({"pv": "int4"}, "pv"),
     ({"kv_tile": 0}, "kv_tile"),
     ({"kv_tile": True}, "kv_tile"),
-    ({"k_chunk": 0}, "k_chunk"),
-    ({"k_chunk": 2.0}, "k_chunk"),
     ({"scale": -1.0}, "scale"),
 ])
 def test_bad_arguments_are_refused(bad, argument):
@@ -223,14 +186,12 @@ def test_each_p_v_format_has_a_kernel_for_every_8bit_tile_and_the_product_runs_t
         assert quantized_kernel(spec, "int8").tile_q == quantized_kernel(spec).tile_q == spec.tile_q
 
 
-def test_the_native_pass_and_kernels_refuse_an_unknown_p_v_format_or_k_scale_run():
+def test_the_native_pass_and_kernels_refuse_an_unknown_p_v_format():
     from tessera_diffusers import quantized_ops
 
     q, k, v, _ = request(64, 64)
     with pytest.raises(InvalidArgumentError, match="pv"):
         quantized_ops.quantize(q, k, v, 0.1, pv="fp8")
-    with pytest.raises(InvalidArgumentError, match="k_chunk"):
-        quantized_ops.quantize(q, k, v, 0.1, k_chunk=64)  # the pass scales runs of 128 or single tokens
     with pytest.raises(InvalidArgumentError, match="pv"):
         quantized_ops.run_quantized(None, q, k, v, 0.1, False, pv="int4")
 
@@ -327,20 +288,11 @@ def test_every_8bit_kernel_runs_the_plans_of_its_base_kernel():
         assert base.family.value == "hopper" and quantized_kernel(base, pv_format(row)) == row
 
 
-def test_explain_says_where_every_pv_format_runs_pv_and_how_k_is_scaled():
-    from tessera_diffusers.catalog import all_kernels
+def test_explain_says_where_every_pv_format_runs_pv():
     from tessera_diffusers.kernel_table import DEFAULT_PV, QUANTIZED_FAMILIES
-    from tessera_diffusers.mask_state import build_mask_state
-    from tessera_diffusers.plans import Request
-    from tessera_diffusers.selector import PV_WHERE, Selector
+    from tessera_diffusers.selector import PV_WHERE
 
     assert set(PV_WHERE) == set(QUANTIZED_FAMILIES) and DEFAULT_PV in PV_WHERE
-    for (bq, bkv), scales in (((128, 128), "per 128 tokens"), ((32, 16), "per token")):
-        mask = random_mask(1, 2, 4096, 4096, bq, bkv, density=0.1, seed=3)
-        request = Request(1, 2, 4096, 4096, 128, "bf16", bq, bkv, "sm90", precision="int8")
-        selection = Selector(kernels=all_kernels()).quantized(request, build_mask_state(mask))
-        chosen = selection.explain().splitlines()[-1]
-        assert chosen.startswith("chosen") and f"K scales {scales}" in chosen, (selection.chosen.kv_layout, chosen)
 
 
 def test_with_regime_reuse_an_8bit_request_takes_its_previous_decision_without_a_scan():

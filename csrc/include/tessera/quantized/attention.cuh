@@ -15,9 +15,7 @@
 // output's scale; the offset's share, 128 times the row sum of P8, comes off in the epilogue.
 // P's bytes come from f16 pairs: two fp32 exponentials packed, one HFMA2 rounds both to bytes.
 // With T::kPv16 only Q K^T is 8-bit: P and V stay in the output's 16-bit type and P V accumulates
-// in fp32 in the tensor cores, in the 16-bit kernels' order (consumer_loop_p16); on plans whose KV
-// tiles are aligned spans the pass scales K per 128 tokens and the kernel takes one K scale per tile
-// (qp.k_scale_tile: a second instantiation, KScales), folded into the row factors.
+// in fp32 in the tensor cores, in the 16-bit kernels' order (consumer_loop_p16).
 // Static schedule only (every gridDim.x-th task): the launcher refuses a task counter.
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
@@ -165,46 +163,32 @@ __device__ void producer_loop(const TesseraQuantizedParams& qp, const TmaMaps& t
 
 // ---- consumers ---------------------------------------------------------------------------------
 
-// The K scales a consumer thread applies to one tile, from the stage's copy in shared memory: a
-// pair per n8 block of its columns (lane_col + 8 j + {0, 1}), a factor per score; or, with
-// kTileScale (the pass's K scales constant over each aligned run the tile lies in), the tile's one
-// scale, folded into the row factors: no factor per score.
-template <bool kTileScale, int kBlocks>
-struct KScales {
-  float2 col[kBlocks];
-  __device__ __forceinline__ void load(uint32_t ks_stage, int lane_col) {
-    CUTE_UNROLL
-    for (int j = 0; j < kBlocks; ++j)
-      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
-                   : "=f"(col[j].x), "=f"(col[j].y)
-                   : "r"(ks_stage + uint32_t(lane_col + 8 * j) * uint32_t(sizeof(float))));
-  }
-  __device__ __forceinline__ float score(int32_t s, int e) const {
-    return __int2float_rn(s) * ((e & 1) ? col[e >> 2].y : col[e >> 2].x);
-  }
-  __device__ __forceinline__ float row_factor(float rf) const { return rf; }
-};
-
+// The K scales of the thread's columns (lane_col + 8 j + {0, 1}) in one stage, from shared memory.
 template <int kBlocks>
-struct KScales<true, kBlocks> {
-  float tile;
-  __device__ __forceinline__ void load(uint32_t ks_stage, int) {
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(tile) : "r"(ks_stage));  // the tile's first key's
-  }
-  __device__ __forceinline__ float score(int32_t s, int) const { return __int2float_rn(s); }
-  __device__ __forceinline__ float row_factor(float rf) const { return rf * tile; }
-};
-
-// One tile's int32 scores `s` as fp32 `sf`: float(s) times the key's scale (KScales::score),
-// masked where `act` says (-inf). The row factor (q_scale * scale * log2 e, and a tile's K scale)
-// comes later. The conversion (I2F) issues at half the FMA rate and not on the exponentials' unit;
-// exact (|s| < 2^22, traits.cuh).
-template <class T, class FragS, class FragF, class Scales>
-__device__ __forceinline__ void column_scaled_scores(const TesseraAttnParams& p, const Task& t, int tile,
-                                                     const TileActivity& act, const FragS& s, const Scales& ks,
-                                                     int lane_col, const int (&row_of_half)[2], FragF& sf) {
+__device__ __forceinline__ void load_k_scales(uint32_t ks_stage, int lane_col, float2 (&ks)[kBlocks]) {
   CUTE_UNROLL
-  for (int e = 0; e < size(s); ++e) sf(e) = ks.score(s(e), e);  // value e: n8 block e / 4, column e % 2
+  for (int j = 0; j < kBlocks; ++j)
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+                 : "=f"(ks[j].x), "=f"(ks[j].y)
+                 : "r"(ks_stage + uint32_t(lane_col + 8 * j) * uint32_t(sizeof(float))));
+}
+
+// One tile's int32 scores `s` as fp32 `sf`: float(s) * k_scale (column), masked where `act` says
+// (-inf). The row factor (q_scale * scale * log2 e) comes later. The conversion (I2F) issues at
+// half the FMA rate and not on the exponentials' unit; exact (|s| < 2^22, traits.cuh).
+template <class T, class FragS, class FragF, int kBlocks>
+__device__ __forceinline__ void column_scaled_scores(const TesseraAttnParams& p, const Task& t, int tile,
+                                                     const TileActivity& act, const FragS& s,
+                                                     const float2 (&ks)[kBlocks], int lane_col,
+                                                     const int (&row_of_half)[2], FragF& sf) {
+  static_assert(kBlocks * 4 == decltype(size(s))::value, "a K scale pair per n8 block");
+  CUTE_UNROLL
+  for (int j = 0; j < kBlocks; ++j) {  // n8 block j: columns lane_col + 8 j + {0, 1}, both row halves
+    sf(4 * j + 0) = __int2float_rn(s(4 * j + 0)) * ks[j].x;
+    sf(4 * j + 1) = __int2float_rn(s(4 * j + 1)) * ks[j].y;
+    sf(4 * j + 2) = __int2float_rn(s(4 * j + 2)) * ks[j].x;
+    sf(4 * j + 3) = __int2float_rn(s(4 * j + 3)) * ks[j].y;
+  }
   if (act.needs_mask) hopper::mask_scores<T>(p, act, tile_slots(p, t, tile), sf, lane_col, row_of_half);
 }
 
@@ -225,25 +209,24 @@ __device__ __forceinline__ float row_half_max(const FragF& sf, int half) {
 }
 
 // Online softmax of one tile's int32 scores `s` into the packed P operand `prob_w`: the scores are
-// column_scaled_scores times the row factor (rf: q_scale * scale * log2 e; ks.row_factor); returns in `alpha` the factor for
+// column_scaled_scores times rf (row: q_scale * scale * log2 e); returns in `alpha` the factor for
 // what was accumulated under the previous reference and in `tile_unit` the value of one P step
 // (max_tile p / 255, relative to the new reference; 0 for a row none of whose tile columns is
 // active). The row sums add up the rounded bytes (the weights P V applies).
-template <class T, class FragS, class FragP, class Scales>
+template <class T, class FragS, class FragP, int kBlocks>
 __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const Task& t, int tile,
-                                              const TileActivity& act, const FragS& s, const Scales& ks,
-                                              int lane_col, const int (&row_of_half)[2], const float (&rf)[2],
-                                              float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2],
-                                              float (&tile_unit)[2], FragP& prob_w) {
+                                              const TileActivity& act, const FragS& s,
+                                              const float2 (&ks)[kBlocks], int lane_col, const int (&row_of_half)[2],
+                                              const float (&rf)[2], float (&row_max)[2], float (&row_sum)[2],
+                                              float (&alpha)[2], float (&tile_unit)[2], FragP& prob_w) {
   constexpr int kVals = decltype(size(s))::value;
   Tensor sf = make_tensor<float>(s.layout());
   column_scaled_scores<T>(p, t, tile, act, s, ks, lane_col, row_of_half, sf);
-  const float f[2] = {ks.row_factor(rf[0]), ks.row_factor(rf[1])};
   float base[2];
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     const float m = row_half_max(sf, half);
-    const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * f[half];
+    const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf[half];
     // Lazy reference (as the 16-bit 64-column kernels): it moves only when the tile exceeds it by
     // more than 2^kRescaleThreshold, also when the row had no active score yet (alpha 0 then).
     // P is rounded against the tile's own maximum, so a stale reference costs no precision.
@@ -259,8 +242,8 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
   for (int w = 0; w < kVals / 4; ++w) {  // word w: values e0, e0 + 1, e0 + 4, e0 + 5 of one row half
     const int e0 = 2 * (w & 1) + 8 * (w >> 1);
     const int half = w & 1;
-    const uint32_t lo = exp2_bytes(fmaf(sf(e0), f[half], -base[half]), fmaf(sf(e0 + 1), f[half], -base[half]));
-    const uint32_t hi = exp2_bytes(fmaf(sf(e0 + 4), f[half], -base[half]), fmaf(sf(e0 + 5), f[half], -base[half]));
+    const uint32_t lo = exp2_bytes(fmaf(sf(e0), rf[half], -base[half]), fmaf(sf(e0 + 1), rf[half], -base[half]));
+    const uint32_t hi = exp2_bytes(fmaf(sf(e0 + 4), rf[half], -base[half]), fmaf(sf(e0 + 5), rf[half], -base[half]));
     const uint32_t word = __byte_perm(lo, hi, 0x6420);
     prob_w(w) = word;
     bytes[half] = __dp4a(word, 0x01010101u, bytes[half]);
@@ -271,22 +254,22 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
 }
 
 // Online softmax of one tile's int32 scores `s` into fp32 probabilities `sf` for a 16-bit P V
-// (T::kPv16): the scores of column_scaled_scores times the row factor, probabilities relative to the row's lazy
+// (T::kPv16): the scores of column_scaled_scores times rf, probabilities relative to the row's lazy
 // reference (as the 16-bit kernels': at most 2^kRescaleThreshold), the row sums of the unrounded
 // probabilities (as the twin's pv="bf16"); returns in `alpha` the factor for what was accumulated
 // under the previous reference.
-template <class T, class FragS, class FragF, class Scales>
+template <class T, class FragS, class FragF, int kBlocks>
 __device__ __forceinline__ void softmax_to_p16(const TesseraAttnParams& p, const Task& t, int tile,
-                                               const TileActivity& act, const FragS& s, const Scales& ks,
-                                               int lane_col, const int (&row_of_half)[2], const float (&rf)[2],
-                                               float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2], FragF& sf) {
+                                               const TileActivity& act, const FragS& s,
+                                               const float2 (&ks)[kBlocks], int lane_col, const int (&row_of_half)[2],
+                                               const float (&rf)[2], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&alpha)[2], FragF& sf) {
   constexpr int kVals = decltype(size(s))::value;
   column_scaled_scores<T>(p, t, tile, act, s, ks, lane_col, row_of_half, sf);
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
-    const float f = ks.row_factor(rf[half]);
     const float m = row_half_max(sf, half);
-    const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * f;
+    const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf[half];
     // Also taken when the row had no active score yet (-inf) and this tile has one: alpha is 0 then.
     const bool moves = tile_ref > row_max[half] + T::kRescaleThreshold;
     alpha[half] = moves ? fast_exp2(row_max[half] - tile_ref) : 1.f;
@@ -295,8 +278,8 @@ __device__ __forceinline__ void softmax_to_p16(const TesseraAttnParams& p, const
     float part[4] = {0.f, 0.f, 0.f, 0.f};
     CUTE_UNROLL
     for (int e = 2 * half; e < kVals; e += 4) {
-      sf(e) = fast_exp2(fmaf(sf(e), f, -ref));
-      sf(e + 1) = fast_exp2(fmaf(sf(e + 1), f, -ref));
+      sf(e) = fast_exp2(fmaf(sf(e), rf[half], -ref));
+      sf(e + 1) = fast_exp2(fmaf(sf(e + 1), rf[half], -ref));
       part[(e >> 2) % 4] += sf(e) + sf(e + 1);
     }
     row_sum[half] = fmaf(row_sum[half], alpha[half], (part[0] + part[1]) + (part[2] + part[3]));
@@ -459,10 +442,10 @@ __device__ __forceinline__ void issue_scores(hopper::TiledMmas<T>& mmas, const V
 }
 
 // The thread's K scales from the stage issue_scores waited for.
-template <class T, class Scales>
+template <class T, int kBlocks>
 __device__ __forceinline__ void stage_k_scales(uint32_t ks_smem, const PipeState<T::kStages>& read_k, int lane_col,
-                                               Scales& ks) {
-  ks.load(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), lane_col);
+                                               float2 (&ks)[kBlocks]) {
+  load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), lane_col, ks);
 }
 
 // Releases the K stage of the current tile: every thread, after its own reads of the K scales
@@ -525,7 +508,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
                                                   float (&row_max)[2], float (&row_sum)[2]) {
     float alpha[2], unit[2];
     TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
-    KScales<false, kBlocks> ks;
+    float2 ks[kBlocks];
     auto scores = [&](int i) {  // S_i landed: softmax into P, then release K (its scales were read)
       warpgroup_fence_operand(s);
       softmax_to_p8<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
@@ -570,9 +553,8 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
 
 // The consumers with a 16-bit P V (T::kPv16), in the 16-bit kernels' order (hopper::consume_task):
 // per KV tile i, issue S = Q8 K8_i^T (int32) and O += P_{i-1} V_{i-1} (fp32); wait S; release
-// K_i; softmax into fp32 P_i; wait O; O *= alpha_i; P_i to 16 bits. kTileScale: one K scale per
-// tile (KScales).
-template <class T, bool kTileScale, class SmemQ, class SmemK, class SmemVt>
+// K_i; softmax into fp32 P_i; wait O; O *= alpha_i; P_i to 16 bits.
+template <class T, class SmemQ, class SmemK, class SmemVt>
 __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK& sK, SmemVt& sVt,
                                   uint32_t ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
   using Output = typename T::Output;
@@ -599,7 +581,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
                                                   float (&row_max)[2], float (&row_sum)[2]) {
     float alpha[2];
     TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
-    KScales<kTileScale, kBlocks> ks;
+    float2 ks[kBlocks];
     auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
       warpgroup_fence_operand(s);
       release_k<T>(bar, read_k);
@@ -659,7 +641,7 @@ __device__ void init_barriers(PipelineBarriers<T::kStages, T::kQStages>& bar) {
   cutlass::arch::fence_barrier_init();
 }
 
-template <class T, bool kTileScale>
+template <class T>
 __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     attention_kernel(const __grid_constant__ TesseraQuantizedParams qp, const __grid_constant__ TmaMaps tma) {
   extern __shared__ unsigned char smem_raw[];
@@ -679,7 +661,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     const uint32_t ks_smem = uint32_t(__cvta_generic_to_shared(base + T::kSmemKScaleOffset));
     if constexpr (T::kPv16)
-      consumer_loop_p16<T, kTileScale>(qp, sQ, sK, sVt, ks_smem, bar);
+      consumer_loop_p16<T>(qp, sQ, sK, sVt, ks_smem, bar);
     else
       consumer_loop<T>(qp, sQ, sK, sVt, ks_smem, bar);
   }
@@ -743,10 +725,7 @@ int launch(const TesseraQuantizedParams& qp, cudaStream_t stream) {
   TmaMaps tma;
   const int err = make_tma_maps<T>(qp, tma);
   if (err != 0) return err;
-  // One K scale per tile (qp.k_scale_tile) is a second instantiation of the 16-bit P V kernels.
-  auto kernel = attention_kernel<T, false>;
-  if constexpr (T::kPv16)
-    if (qp.k_scale_tile) kernel = attention_kernel<T, true>;
+  auto kernel = attention_kernel<T>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (status != cudaSuccess) return int(status);
   const int64_t grid = qp.attn.grid_size > 0 && qp.attn.grid_size < tasks ? qp.attn.grid_size : tasks;

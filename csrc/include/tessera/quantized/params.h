@@ -12,9 +12,7 @@ extern "C" {
 
 // Layouts the quantization pass writes, heads-major (B, H, ...), all contiguous:
 //   q8        [B, H, Sq, D] int8          q_scale [B, H, Sq] fp32       lse_shift [B, H, Sq] fp32
-//   k8        [B, H, Skv_pad, D] int8     k_scale [B, H, Skv_pad] fp32  (k - k_mean; zero past Skv;
-//             a scale per token, or with k_chunk = TESSERA_QUANTIZED_ALIGN the same scale for every
-//             token of an aligned run of that many, the largest of theirs)
+//   k8        [B, H, Skv_pad, D] int8     k_scale [B, H, Skv_pad] fp32  (k - k_mean; zero past Skv)
 //   v8        [B, H, Skv_pad / 16, D, 16] uint8: int8 of v - v_mean plus 128, V transposed in chunks
 //             of 16 tokens (8-bit wgmma reads both operands K-major), the tokens of a chunk in the
 //             order of the P V product's register operand (TESSERA_V_CHUNK_TOKEN below); 128 past Skv
@@ -40,9 +38,7 @@ typedef struct TesseraQuantizedParams {
   const float* v_mean;
   const float* lse_shift;
   int32_t seq_kv_padded;   // Skv_pad
-  int32_t k_scale_tile;    // 1: k_scale is one per aligned TESSERA_QUANTIZED_ALIGN tokens (the pass's
-                           // k_chunk) and every KV tile is one aligned span (a contiguous layout), so a
-                           // tile takes one K scale, its first token's; 0: a scale per key (16-bit P V only)
+  int32_t reserved;
 } TesseraQuantizedParams;
 
 // The quantization pass over q, k, v (B, S, H, D) bf16 or fp16 with element strides per (b, s, h).
@@ -62,7 +58,7 @@ typedef struct TesseraQuantizeParams {
   int32_t dtype;           // TesseraDtype of q, k, v
   int32_t segments;        // token segments of the channel statistics (partial sums per segment)
   float scale;             // softmax scale (lse_shift = scale * q . k_mean)
-  int32_t k_chunk;         // tokens per K scale: 1 or TESSERA_QUANTIZED_ALIGN (aligned runs)
+  int32_t reserved;
   int8_t* q8;
   float* q_scale;
   int8_t* k8;

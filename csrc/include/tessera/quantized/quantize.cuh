@@ -4,8 +4,7 @@
 //                       (one thread per channel, coalesced token rows);
 //   channel_finish      per (b, h): k_mean, v_mean and v_scale from the segments' partials;
 //   quantize_rows       per (b, h) and 128 tokens: Q and K rows to int8 with a scale per token (a
-//                       warp per row; Q's lse_shift = scale * q . k_mean on the way), or K with one
-//                       scale for the 128 (k_chunk = 128: the CTA's maximum), V to int8 per
+//                       warp per row; Q's lse_shift = scale * q . k_mean on the way), V to int8 per
 //                       channel plus 128, written transposed in 16-token chunks (a thread per
 //                       channel).
 // Without v8 (a kernel with a 16-bit P V reads V itself) the pass leaves V alone: no V statistics,
@@ -21,7 +20,7 @@
 namespace tessera::quantized {
 
 constexpr int kQuantizeThreads = TESSERA_QUANTIZED_HEAD_DIM;  // a thread per channel
-constexpr int kQuantizeTokens = TESSERA_QUANTIZED_ALIGN;      // tokens per quantize_rows CTA (a K run)
+constexpr int kQuantizeTokens = 128;                          // tokens per quantize_rows CTA
 constexpr int kChunk = 16;                                    // tokens per v8 chunk
 constexpr float kInt8Max = 127.f;
 
@@ -106,38 +105,20 @@ __global__ void __launch_bounds__(kQuantizeThreads) channel_finish(const __grid_
   p.v_scale[at] = amax > 0.f ? amax / kInt8Max : 1.f;
 }
 
-// The largest magnitude of one token row (a warp, 4 channels per lane), in every lane.
-__device__ __forceinline__ float row_amax(float4 x) {
-  float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  return amax;
-}
-
-__device__ __forceinline__ float scale_of(float amax) { return amax > 0.f ? amax / kInt8Max : 1.f; }
-
-// One token row to int8 with `scale` (a warp, 4 channels per lane).
-__device__ __forceinline__ void store_row(float4 x, float scale, int8_t* out, int lane) {
-  reinterpret_cast<uint32_t*>(out)[lane] = pack_int8(quantize_value(x.x, scale), quantize_value(x.y, scale),
-                                                     quantize_value(x.z, scale), quantize_value(x.w, scale));
-}
-
-// One token row to int8 with its own scale; returns the scale and, through `dot`, the row's dot
-// product with `other` (the lane's 4 channels of it).
+// One token row to int8 with its own scale (a warp, 4 channels per lane); returns the scale and,
+// through `dot`, the row's dot product with `other` (the lane's 4 channels of it).
 __device__ __forceinline__ float quantize_row(float4 x, int8_t* out, int lane, float4 other, float& dot) {
+  float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
   dot = x.x * other.x + x.y * other.y + x.z * other.z + x.w * other.w;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-  const float scale = scale_of(row_amax(x));
-  store_row(x, scale, out, lane);
+  for (int o = 16; o > 0; o >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  }
+  const float scale = amax > 0.f ? amax / kInt8Max : 1.f;
+  reinterpret_cast<uint32_t*>(out)[lane] = pack_int8(quantize_value(x.x, scale), quantize_value(x.y, scale),
+                                                     quantize_value(x.z, scale), quantize_value(x.w, scale));
   return scale;
-}
-
-// Row s of K less its mean (the lane's 4 channels).
-__device__ __forceinline__ float4 centred_key(const TesseraQuantizeParams& p, int b, int s, int h, int lane,
-                                              float4 k_mean) {
-  const float4 x = load_four(p.k, row_offset(p.k_stride, b, s, h) + 4 * lane, p.dtype);
-  return make_float4(x.x - k_mean.x, x.y - k_mean.y, x.z - k_mean.z, x.w - k_mean.w);
 }
 
 __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_constant__ TesseraQuantizeParams p) {
@@ -146,6 +127,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int first = blockIdx.x * kQuantizeTokens;
   const float4 k_mean = *reinterpret_cast<const float4*>(p.k_mean + int64_t(bh) * D + 4 * lane);
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int r = warp; r < kQuantizeTokens; r += kQuantizeThreads / 32) {
     const int s = first + r;
     if (s < p.seq_q) {
@@ -158,33 +140,19 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
         p.lse_shift[row] = p.scale * dot;
       }
     }
-  }
-  // K: a scale per token, or (k_chunk > 1) one for the CTA's tokens, an aligned run of k_chunk =
-  // kQuantizeTokens: the largest magnitude of theirs, by a maximum over the warps first.
-  float run_scale = 0.f;
-  if (p.k_chunk > 1) {
-    __shared__ float warp_amax[kQuantizeThreads / 32];
-    float amax = 0.f;
-    for (int r = warp; r < kQuantizeTokens && first + r < p.seq_kv; r += kQuantizeThreads / 32)
-      amax = fmaxf(amax, row_amax(centred_key(p, b, first + r, h, lane, k_mean)));
-    if (lane == 0) warp_amax[warp] = amax;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kQuantizeThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
-    run_scale = scale_of(amax);
-  }
-  for (int r = warp; r < kQuantizeTokens && first + r < p.seq_kv_padded; r += kQuantizeThreads / 32) {
-    const int s = first + r;
-    const int64_t row = int64_t(bh) * p.seq_kv_padded + s;
-    float scale = 0.f;  // padding: zero keys (their columns are masked)
-    if (s < p.seq_kv) {
-      const float4 x = centred_key(p, b, s, h, lane, k_mean);
-      scale = p.k_chunk > 1 ? run_scale : scale_of(row_amax(x));
-      store_row(x, scale, p.k8 + row * D, lane);
-    } else {
-      reinterpret_cast<uint32_t*>(p.k8 + row * D)[lane] = 0u;
+    if (s < p.seq_kv_padded) {
+      const int64_t row = int64_t(bh) * p.seq_kv_padded + s;
+      if (s < p.seq_kv) {
+        float4 x = load_four(p.k, row_offset(p.k_stride, b, s, h) + 4 * lane, p.dtype);
+        x = make_float4(x.x - k_mean.x, x.y - k_mean.y, x.z - k_mean.z, x.w - k_mean.w);
+        float dot;  // unused
+        const float scale = quantize_row(x, p.k8 + row * D, lane, zero, dot);
+        if (lane == 0) p.k_scale[row] = scale;
+      } else {  // padding: zero keys (their columns are masked)
+        reinterpret_cast<uint32_t*>(p.k8 + row * D)[lane] = 0u;
+        if (lane == 0) p.k_scale[row] = 0.f;
+      }
     }
-    if (lane == 0) p.k_scale[row] = scale;
   }
   // V: thread d quantizes channel d of each token and writes 16-byte rows of the chunks.
   if (p.v8 == nullptr) return;
