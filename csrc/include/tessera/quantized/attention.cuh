@@ -208,6 +208,26 @@ __device__ __forceinline__ float row_half_max(const FragF& sf, int half) {
   return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
 }
 
+// A row half's references after one tile: `tile`, the tile's maximum score times the row factor rf
+// (-inf where none of its columns is active), and `row`, the row's reference the tile's
+// probabilities are taken against (0 while the row has no active score: exp2 gives 0 then). The
+// reference is lazy (as the 16-bit 64-column kernels'): it moves only when the tile exceeds it by
+// more than 2^kRescaleThreshold, also when the row had no active score yet; `alpha` is the factor
+// for what was accumulated under the previous one (0 from an empty row, 1 where it stays).
+struct References {
+  float tile, row;
+};
+
+template <class T, class FragF>
+__device__ __forceinline__ References move_reference(const FragF& sf, int half, float rf, float& row_max, float& alpha) {
+  const float m = row_half_max(sf, half);
+  const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf;
+  const bool moves = tile_ref > row_max + T::kRescaleThreshold;
+  alpha = moves ? fast_exp2(row_max - tile_ref) : 1.f;
+  if (moves) row_max = tile_ref;
+  return {tile_ref, row_max == -CUDART_INF_F ? 0.f : row_max};
+}
+
 // Online softmax of one tile's int32 scores `s` into the packed P operand `prob_w`: the scores are
 // column_scaled_scores times rf (row: q_scale * scale * log2 e); returns in `alpha` the factor for
 // what was accumulated under the previous reference and in `tile_unit` the value of one P step
@@ -225,17 +245,10 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
   float base[2];
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
-    const float m = row_half_max(sf, half);
-    const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf[half];
-    // Lazy reference (as the 16-bit 64-column kernels): it moves only when the tile exceeds it by
-    // more than 2^kRescaleThreshold, also when the row had no active score yet (alpha 0 then).
     // P is rounded against the tile's own maximum, so a stale reference costs no precision.
-    const bool moves = tile_ref > row_max[half] + T::kRescaleThreshold;
-    alpha[half] = moves ? fast_exp2(row_max[half] - tile_ref) : 1.f;
-    if (moves) row_max[half] = tile_ref;
-    const float ref = row_max[half] == -CUDART_INF_F ? 0.f : row_max[half];
-    base[half] = tile_ref == -CUDART_INF_F ? 0.f : tile_ref;
-    tile_unit[half] = tile_ref == -CUDART_INF_F ? 0.f : fast_exp2(tile_ref - ref) * (1.f / 255.f);
+    const References r = move_reference<T>(sf, half, rf[half], row_max[half], alpha[half]);
+    base[half] = r.tile == -CUDART_INF_F ? 0.f : r.tile;
+    tile_unit[half] = r.tile == -CUDART_INF_F ? 0.f : fast_exp2(r.tile - r.row) * (1.f / 255.f);
   }
   uint32_t bytes[2] = {0u, 0u};
   CUTE_UNROLL
@@ -268,13 +281,7 @@ __device__ __forceinline__ void softmax_to_p16(const TesseraAttnParams& p, const
   column_scaled_scores<T>(p, t, tile, act, s, ks, lane_col, row_of_half, sf);
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
-    const float m = row_half_max(sf, half);
-    const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf[half];
-    // Also taken when the row had no active score yet (-inf) and this tile has one: alpha is 0 then.
-    const bool moves = tile_ref > row_max[half] + T::kRescaleThreshold;
-    alpha[half] = moves ? fast_exp2(row_max[half] - tile_ref) : 1.f;
-    if (moves) row_max[half] = tile_ref;
-    const float ref = row_max[half] == -CUDART_INF_F ? 0.f : row_max[half];  // empty so far: exp2 gives 0
+    const float ref = move_reference<T>(sf, half, rf[half], row_max[half], alpha[half]).row;
     float part[4] = {0.f, 0.f, 0.f, 0.f};
     CUTE_UNROLL
     for (int e = 2 * half; e < kVals; e += 4) {
