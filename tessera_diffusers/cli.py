@@ -118,9 +118,7 @@ def run_explain(args: argparse.Namespace) -> int:
     selector, state = Selector(table=table, kernels=None if loaded else all_kernels()), build_mask_state(mask)
     selection = selector.rank(request, state)
     print(selection.explain())
-    if selection.chosen is not None and args.precision == "int8":
-        print(f"a mask that comes back: {selection.chosen.name} (an 8-bit request keeps its plan)")
-    elif selection.chosen is not None:  # what the runtime re-prepares the mask with when it comes back
+    if selection.chosen is not None:  # what the runtime re-prepares the mask with when it comes back
         reused = selector.reused_plan(selection.chosen, request, state)
         by = selector.reused_request(selection.chosen, request)
         source = "the rule" if by is None else f"the table's {by.key} key"

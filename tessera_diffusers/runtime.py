@@ -164,9 +164,7 @@ class Runtime:
                 self.hits += 1
                 if entry.prepared is None:
                     return None
-                # An 8-bit request keeps its plan: another plan of a returning mask may have no 8-bit kernel.
-                decide = plan is None and request.precision == INPUT_PRECISION
-                prepared = self.reuse(entry.prepared, request, decide_plan=decide)
+                prepared = self.reuse(entry.prepared, request, decide_plan=plan is None)
                 if prepared is not entry.prepared:
                     self._cache[key] = entry._replace(prepared=prepared)
                 return prepared

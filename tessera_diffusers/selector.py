@@ -28,8 +28,8 @@ grouped query layout (each head's query blocks regrouped by key set, ``regroup.p
 0.2-0.3 ms longer at 32k tokens, paid back by the requests after it): the table's plan for the
 request's ``/reused`` key where it was profiled (``tessera profile --reused-masks``: natural and
 grouped plans timed side by side), else the rule of ``reused_mask_plan`` (the same plan grouped, on
-Hopper, for query blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows). ``$TESSERA_GROUP_QUERIES`` = ``0``
-never regroups, ``1`` regroups every plan that can.
+Hopper, for query blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows; for an 8-bit request, of any size).
+``$TESSERA_GROUP_QUERIES`` = ``0`` never regroups, ``1`` regroups every plan that can.
 
 A table that is corrupt or built against another catalog is never used: the Selector warns once
 with the ``PlanTableError`` message and ranks with the cost model.
@@ -284,7 +284,8 @@ class Selector:
                     warn: Warn | None = None) -> PhysicalPlan:
         """The plan to re-prepare a mask with when it comes back after running ``plan``: the plan
         table's choice under the request's ``/reused`` key (natural and grouped plans, ranked on
-        the mask's statistics like any request) where the table has that key, else the rule of
+        the mask's statistics like any request) where the table has that key, else (and for every
+        8-bit request, whose grouped layout runs in the same 8-bit kernel) the rule of
         ``reused_mask_plan``. ``plan`` itself where the answer is the same plan;
         ``$TESSERA_GROUP_QUERIES`` (``0`` / ``1``) overrides the table."""
         reused = self.reused_request(plan, request, warn)
@@ -296,8 +297,11 @@ class Selector:
     def reused_request(self, plan: PhysicalPlan, request: Request, warn: Warn | None = None) -> Request | None:
         """The ``/reused`` request whose table choice ``reused_plan`` takes for a mask that ran
         ``plan``, or None where the rule of ``reused_mask_plan`` decides: ``plan`` already grouped,
-        ``$TESSERA_GROUP_QUERIES`` set, or no such key in the table."""
+        ``$TESSERA_GROUP_QUERIES`` set, an 8-bit request (the table ranks 16-bit plans), or no such
+        key in the table."""
         if config.get("group_queries") is not None or plan.q_layout is QLayout.GROUPED:
+            return None
+        if request.precision != INPUT_PRECISION:
             return None
         reused = dataclasses.replace(request, reused_mask=True)
         table = self.context(request.arch, warn).table
@@ -590,19 +594,24 @@ def estimate_with(estimator: PlanEstimator, state: MaskState) -> list[float]:
 # 4-15% of kernel time on the H200, on 64-row blocks next to nothing (docs/results.md, "Design
 # decisions"). The rule serves tables without a ``/reused`` key (Selector.reused_plan).
 GROUPED_MAX_BLOCK_Q = 32
+# An 8-bit request (no table keys of its own) regroups every Hopper plan that can: on the H200 at
+# 32k tokens its kernel ran 0.995-1.40x (GM 1.13x) as fast grouped as natural, blocks of 16-64 rows
+# (docs/results.md, "8-bit attention").
 GROUP_QUERIES_ENV = config.GROUP_QUERIES_ENV  # "0": never, "1": every plan that can, unset: the table or the rule
 
 
 def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
     """The rule for a mask that comes back after running ``plan`` where the plan table has no
     ``/reused`` key for it (``Selector.reused_plan``): its grouped query layout on Hopper for query
-    blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows, else ``plan`` itself."""
+    blocks of at most ``GROUPED_MAX_BLOCK_Q`` rows (of any size for an 8-bit request), else ``plan``
+    itself."""
     if plan.q_layout is QLayout.GROUPED or not plan.can_group_queries:
         return plan
     setting = config.get("group_queries")
     if setting is False:
         return plan
-    if setting is None and (plan.kernel.family is not Family.HOPPER or request.block_q > GROUPED_MAX_BLOCK_Q):
+    limited = request.precision == INPUT_PRECISION and request.block_q > GROUPED_MAX_BLOCK_Q
+    if setting is None and (plan.kernel.family is not Family.HOPPER or limited):
         return plan
     return plan.grouped()
 

@@ -141,7 +141,9 @@ class TesseraPlan(Backend):
 class TesseraQuantized(Backend):
     """The 8-bit path (``precision="int8"``): the plan ``Selector.quantized`` picks, run by its 8-bit
     kernel. ``tessera-int8`` times what a call does on a prepared plan, the quantization pass and
-    the kernel; ``tessera-int8-kernel`` the kernel alone, on inputs quantized beforehand. Its output
+    the kernel; ``tessera-int8-kernel`` the kernel alone, on inputs quantized beforehand. Both run
+    the mask many times, so they time the plan of a mask that comes back (``Selector.reused_plan``,
+    as ``tessera``); a complete request is a mask's first, in the selected plan itself. Its output
     is held to the 8-bit budget (``quantized.MIN_COSINE``, ``MAX_RELATIVE_L2``), not the 16-bit one.
     For comparison, ``pv="int8"`` (``tessera-int8pv``, ``tessera-int8pv-kernel``) runs the same plan
     on the kernels with an 8-bit P V (the product's P V format is ``kernel_table.DEFAULT_PV``); its
@@ -163,17 +165,19 @@ class TesseraQuantized(Backend):
                 raise Skip("this build of the library has no 8-bit kernels")
         except CatalogError as err:
             raise Skip(f"native kernels unavailable: {err}") from err
-        return self.prepared_plan(problem), problem.scale
+        return self.prepared_plan(problem, reused=True), problem.scale
 
     @staticmethod
-    def prepared_plan(problem: Problem) -> PreparedPlan:
-        """The plan ``Selector.quantized`` picks for ``problem``, prepared."""
+    def prepared_plan(problem: Problem, reused: bool = False) -> PreparedPlan:
+        """The plan ``Selector.quantized`` picks for ``problem``, prepared; with ``reused``, the plan
+        its mask runs when it comes back (``Selector.reused_plan``)."""
         state = build_mask_state(problem.mask)
         request = dataclasses.replace(request_of(problem), precision="int8")
-        selection = Selector().quantized(request, state)
-        if selection.chosen is None:
+        selector = Selector()
+        chosen = selector.quantized(request, state).chosen
+        if chosen is None:
             raise Skip("no plan of this request has an 8-bit kernel")
-        return prepare(selection.chosen, state)
+        return prepare(selector.reused_plan(chosen, request, state) if reused else chosen, state)
 
     def convert(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Inputs:
         if not self.kernel_only:

@@ -168,3 +168,23 @@ def test_sharp_queries_and_outlier_keys_stay_finite_and_within_the_budget(pv):
     assert bool(torch.isfinite(out).all())
     fit = quantized.agreement(out, oracle)
     assert fit.within_budget(), vars(fit)
+
+
+def test_an_8bit_mask_that_comes_back_runs_grouped_within_the_budget():
+    """``Runtime.attention(..., precision="int8")``: a mask's first call in the selected plan, the
+    calls after it re-prepared once in that plan's grouped layout (Selector.reused_plan), each within
+    the 8-bit budget against the fp32 oracle."""
+    from tessera_diffusers import Runtime
+    from tessera_diffusers.plans import QLayout
+
+    library()
+    mask = random_mask(1, 4, 4096, 4096, 32, 32, density=0.15, seed=11, device="cuda")
+    q, k, v = random_qkv(1, 4096, 4096, 4, 128, torch.bfloat16, "cuda", seed=11)
+    oracle = reference.attention(q.float(), k.float(), v.float(), mask, 1 / math.sqrt(128))
+    runtime = Runtime()
+    layouts = []
+    for _ in range(3):
+        out = runtime.attention(q, k, v, mask, precision="int8")
+        layouts.append(next(iter(runtime._cache.values())).prepared.plan.q_layout)
+        assert quantized.agreement(out, oracle).within_budget()
+    assert layouts == [QLayout.NATURAL, QLayout.GROUPED, QLayout.GROUPED] and runtime.regroupings == 1

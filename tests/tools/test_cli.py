@@ -172,7 +172,12 @@ def test_explain_shows_an_8bit_request_and_its_8bit_kernel(capsys):
     assert "/int8 " in out and "precision int8" in out
     chosen = next(line for line in out.splitlines() if line.startswith("chosen"))
     assert "_hopper_" in chosen and "(8-bit kernel hopper8qk_t128x128_d128_bf16_" in chosen
-    assert "keeps its plan" in out
+    back = next(line for line in out.splitlines() if line.startswith("a mask that comes back"))
+    assert "the rule" in back and "grouped" not in back  # a 128-row block fills its tile: nothing to group
+    assert call("tessera", ["explain", "--geometry", "Q32K32", "--seq", "4096", "--heads", "2", "--arch", "sm90",
+                            "--precision", "int8"]) == 0
+    back = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a mask that comes back"))
+    assert back.startswith("a mask that comes back: grouped") and "the rule" in back
     assert call("tessera", argv[:-2]) == 0
     assert "precision" not in capsys.readouterr().out
 

@@ -279,6 +279,32 @@ def test_the_8bit_choice_follows_the_16bit_ranking_to_a_64x64_tile():
     assert (row.tile_q, row.tile_kv, row.stages) == (64, 64, chosen.kernel.stages)
 
 
+@pytest.mark.parametrize("block", [32, 64])
+def test_an_8bit_mask_that_comes_back_takes_its_plans_grouped_layout(block, monkeypatch):
+    """An 8-bit request regroups every Hopper plan that can (the 16-bit rule only blocks of at most
+    GROUPED_MAX_BLOCK_Q rows), in the same 8-bit kernel; TESSERA_GROUP_QUERIES=0 keeps the plan."""
+    import dataclasses
+
+    from tessera_diffusers.catalog import all_kernels, plans_for, quantized_kernel
+    from tessera_diffusers.mask_state import build_mask_state
+    from tessera_diffusers.plans import INPUT_PRECISION, QLayout, Request
+    from tessera_diffusers.selector import GROUP_QUERIES_ENV, GROUPED_MAX_BLOCK_Q, Selector
+
+    monkeypatch.delenv(GROUP_QUERIES_ENV, raising=False)
+    request = Request(1, 2, 4096, 4096, 128, "bf16", block, block, "sm90", precision="int8")
+    state = build_mask_state(random_mask(1, 2, 4096, 4096, block, block, density=0.1, seed=5))
+    plan = next(p for p in plans_for(block, block, all_kernels())
+                if p.tile_q == 128 and p.q_layout is QLayout.NATURAL and quantized_kernel(p.kernel) is not None)
+    selector = Selector(table=None, kernels=all_kernels())
+    reused = selector.reused_plan(plan, request, state)
+    assert reused == plan.grouped() and quantized_kernel(reused.kernel) == quantized_kernel(plan.kernel)
+    assert selector.reused_request(plan, request) is None  # the table ranks 16-bit plans only
+    sixteen = selector.reused_plan(plan, dataclasses.replace(request, precision=INPUT_PRECISION), state)
+    assert sixteen == (plan.grouped() if block <= GROUPED_MAX_BLOCK_Q else plan)
+    monkeypatch.setenv(GROUP_QUERIES_ENV, "0")
+    assert selector.reused_plan(plan, request, state) == plan
+
+
 def test_every_8bit_kernel_runs_the_plans_of_its_base_kernel():
     from tessera_diffusers.catalog import base_kernel, quantized_kernel
     from tessera_diffusers.kernel_table import pv_format, quantized_rows
