@@ -102,7 +102,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv
     check_pv(pv)
     check_inputs(q, k, v)
     lib = require_library().lib
-    q, k, v = (ops.with_aligned_loads(t) for t in (q, k, v))  # rows read 8 bytes per lane from 16-byte starts
+    q, k, v = (ops.with_aligned_loads(t) for t in (q, k, v))  # rows read 16 bytes per lane from 16-byte starts
     batch, seq_q, heads, head_dim = q.shape
     seq_kv = k.shape[1]
     padded = -(-seq_kv // SEQ_ALIGN) * SEQ_ALIGN

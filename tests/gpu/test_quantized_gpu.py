@@ -51,7 +51,7 @@ def offset_qkv(batch, seq_q, seq_kv, heads, dtype, seed):
 
 
 def close_integers(got: torch.Tensor, want: torch.Tensor) -> None:
-    """int8 tensors equal but for rare rounding ties (a scale or mean one ulp apart): at most 1 apart."""
+    """int8 tensors equal but for rare rounding ties (a scale, mean or reciprocal one ulp apart): at most 1 apart."""
     diff = (got.int() - want.int()).abs()
     assert int(diff.max()) <= 1
     assert float((diff > 0).float().mean()) < 1e-3

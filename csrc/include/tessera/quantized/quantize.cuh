@@ -1,12 +1,12 @@
 // The quantization pass of 8-bit attention (tessera_diffusers/quantized.py's `quantize`, layouts in
 // tessera/quantized/params.h), in three launches:
 //   channel_statistics  per (b, h) and token segment, per channel: sums of K and V, V's max and min
-//                       (one thread per channel, coalesced token rows);
+//                       (16-byte loads: 16 threads per token row, 8 rows at a time);
 //   channel_finish      per (b, h): k_mean, v_mean and v_scale from the segments' partials;
 //   quantize_rows       per (b, h) and 128 tokens: Q and K rows to int8 with a scale per token (a
-//                       warp per row; Q's lse_shift = scale * q . k_mean on the way), V to int8 per
-//                       channel plus 128, written transposed in 16-token chunks (a thread per
-//                       channel).
+//                       half-warp per row, 16-byte loads; Q's lse_shift = scale * q . k_mean on the
+//                       way), V to int8 per channel plus 128, written transposed in 16-token chunks
+//                       (a thread per channel).
 // Without v8 (a kernel with a 16-bit P V reads V itself) the pass leaves V alone: no V statistics,
 // no v8. The partials keep the pass deterministic (no atomics).
 #pragma once
@@ -29,27 +29,29 @@ __device__ __forceinline__ float load_element(const void* base, int64_t offset, 
                                : __half2float(static_cast<const __half*>(base)[offset]);
 }
 
-// Four consecutive channels of one token row (8-byte aligned: the row is 16-byte aligned).
-__device__ __forceinline__ float4 load_four(const void* base, int64_t offset, int dtype) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(base) + 2 * offset);
-  float2 lo, hi;
-  if (dtype == TESSERA_BF16) {
-    lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-  } else {
-    lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-    hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+// Eight consecutive channels of one token row (16-byte aligned: rows start on 16 bytes, the
+// strides are multiples of 8 elements).
+__device__ __forceinline__ void load_eight(const void* base, int64_t offset, int dtype, float (&x)[8]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(base) + 2 * offset));
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = dtype == TESSERA_BF16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]))
+                                           : __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
   }
-  return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
 __device__ __forceinline__ int64_t row_offset(const int64_t (&stride)[3], int b, int s, int h) {
   return int64_t(b) * stride[0] + int64_t(s) * stride[1] + int64_t(h) * stride[2];
 }
 
-// round(x / scale) within [-127, 127], as the twin's torch.round (half to even).
-__device__ __forceinline__ int quantize_value(float x, float scale) {
-  return max(-127, min(127, __float2int_rn(x / scale)));
+// round(x / scale) within [-127, 127], half to even as the twin's torch.round, by a multiply with
+// inv = 1 / scale (one division per row or channel, not per value): x * inv may sit an ulp from
+// x / scale, so a value on a rounding tie can land one step from the twin's.
+__device__ __forceinline__ int quantize_value(float x, float inv) {
+  return max(-127, min(127, __float2int_rn(x * inv)));
 }
 
 __device__ __forceinline__ uint32_t pack_int8(int a, int b, int c, int d) {
@@ -61,29 +63,62 @@ __host__ __device__ inline int segment_tokens(const TesseraQuantizeParams& p) {
   return (p.seq_kv + p.segments - 1) / p.segments;
 }
 
+// Thread t reads channels 8 (t % 16) .. + 8 of the segment's rows t / 16 + 8 i; the eight row lanes'
+// sums meet in shared memory, then thread d writes channel d's partials.
 __global__ void __launch_bounds__(kQuantizeThreads) channel_statistics(const __grid_constant__ TesseraQuantizeParams p) {
-  const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads, d = threadIdx.x;
+  constexpr int D = TESSERA_QUANTIZED_HEAD_DIM;
+  constexpr int kGroups = D / 8, kRowLanes = kQuantizeThreads / kGroups;
+  const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+  const int c0 = 8 * (threadIdx.x % kGroups), lane_row = threadIdx.x / kGroups;
   const int len = segment_tokens(p);
   const int first = blockIdx.x * len, last = min(first + len, p.seq_kv);
-  float k_sum = 0.f, v_sum = 0.f, v_max = -CUDART_INF_F, v_min = CUDART_INF_F;
-  if (p.v8 != nullptr) {
-#pragma unroll 4
-    for (int s = first; s < last; ++s) {
-      k_sum += load_element(p.k, row_offset(p.k_stride, b, s, h) + d, p.dtype);
-      const float v = load_element(p.v, row_offset(p.v_stride, b, s, h) + d, p.dtype);
-      v_sum += v;
-      v_max = fmaxf(v_max, v);
-      v_min = fminf(v_min, v);
-    }
-  } else {
-#pragma unroll 4
-    for (int s = first; s < last; ++s) k_sum += load_element(p.k, row_offset(p.k_stride, b, s, h) + d, p.dtype);
+  const bool with_v = p.v8 != nullptr;
+  float k_sum[8], v_sum[8], v_max[8], v_min[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    k_sum[j] = v_sum[j] = 0.f;
+    v_max[j] = -CUDART_INF_F;
+    v_min[j] = CUDART_INF_F;
   }
-  float* out = p.partials + (int64_t(bh) * p.segments + blockIdx.x) * 4 * TESSERA_QUANTIZED_HEAD_DIM + d;
-  out[0 * TESSERA_QUANTIZED_HEAD_DIM] = k_sum;
-  out[1 * TESSERA_QUANTIZED_HEAD_DIM] = v_sum;
-  out[2 * TESSERA_QUANTIZED_HEAD_DIM] = v_max;
-  out[3 * TESSERA_QUANTIZED_HEAD_DIM] = v_min;
+#pragma unroll 4
+  for (int s = first + lane_row; s < last; s += kRowLanes) {
+    float x[8];
+    load_eight(p.k, row_offset(p.k_stride, b, s, h) + c0, p.dtype, x);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) k_sum[j] += x[j];
+    if (with_v) {
+      load_eight(p.v, row_offset(p.v_stride, b, s, h) + c0, p.dtype, x);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        v_sum[j] += x[j];
+        v_max[j] = fmaxf(v_max[j], x[j]);
+        v_min[j] = fminf(v_min[j], x[j]);
+      }
+    }
+  }
+  __shared__ float lanes[4][kRowLanes][D];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    lanes[0][lane_row][c0 + j] = k_sum[j];
+    lanes[1][lane_row][c0 + j] = v_sum[j];
+    lanes[2][lane_row][c0 + j] = v_max[j];
+    lanes[3][lane_row][c0 + j] = v_min[j];
+  }
+  __syncthreads();
+  const int d = threadIdx.x;
+  float ks = 0.f, vs = 0.f, vmax = -CUDART_INF_F, vmin = CUDART_INF_F;
+#pragma unroll
+  for (int r = 0; r < kRowLanes; ++r) {
+    ks += lanes[0][r][d];
+    vs += lanes[1][r][d];
+    vmax = fmaxf(vmax, lanes[2][r][d]);
+    vmin = fminf(vmin, lanes[3][r][d]);
+  }
+  float* out = p.partials + (int64_t(bh) * p.segments + blockIdx.x) * 4 * D + d;
+  out[0 * D] = ks;
+  out[1 * D] = vs;
+  out[2 * D] = vmax;
+  out[3 * D] = vmin;
 }
 
 __global__ void __launch_bounds__(kQuantizeThreads) channel_finish(const __grid_constant__ TesseraQuantizeParams p) {
@@ -105,59 +140,85 @@ __global__ void __launch_bounds__(kQuantizeThreads) channel_finish(const __grid_
   p.v_scale[at] = amax > 0.f ? amax / kInt8Max : 1.f;
 }
 
-// One token row to int8 with its own scale (a warp, 4 channels per lane); returns the scale and,
-// through `dot`, the row's dot product with `other` (the lane's 4 channels of it).
-__device__ __forceinline__ float quantize_row(float4 x, int8_t* out, int lane, float4 other, float& dot) {
-  float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
-  dot = x.x * other.x + x.y * other.y + x.z * other.z + x.w * other.w;
+// One token row to int8 with its own scale (a half-warp, 8 channels per lane: both halves of the
+// warp call it together, each on its own row); returns the scale and, through `dot`, the row's dot
+// product with `other` (the lane's 8 channels of it).
+__device__ __forceinline__ float quantize_row(const float (&x)[8], const float (&other)[8], float& dot,
+                                              uint2& bytes) {
+  float amax = 0.f;
+  dot = 0.f;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
+  for (int j = 0; j < 8; ++j) {
+    amax = fmaxf(amax, fabsf(x[j]));
+    dot = fmaf(x[j], other[j], dot);
+  }
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) {  // within the half-warp
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     dot += __shfl_xor_sync(0xffffffffu, dot, o);
   }
   const float scale = amax > 0.f ? amax / kInt8Max : 1.f;
-  reinterpret_cast<uint32_t*>(out)[lane] = pack_int8(quantize_value(x.x, scale), quantize_value(x.y, scale),
-                                                     quantize_value(x.z, scale), quantize_value(x.w, scale));
+  const float inv = 1.f / scale;
+  bytes = make_uint2(pack_int8(quantize_value(x[0], inv), quantize_value(x[1], inv), quantize_value(x[2], inv),
+                               quantize_value(x[3], inv)),
+                     pack_int8(quantize_value(x[4], inv), quantize_value(x[5], inv), quantize_value(x[6], inv),
+                               quantize_value(x[7], inv)));
   return scale;
 }
 
 __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_constant__ TesseraQuantizeParams p) {
   constexpr int D = TESSERA_QUANTIZED_HEAD_DIM;
+  constexpr int kRowsAtOnce = 2 * kQuantizeThreads / 32;  // a row per half-warp
   const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 16, c0 = 8 * lane;
   const int first = blockIdx.x * kQuantizeTokens;
-  const float4 k_mean = *reinterpret_cast<const float4*>(p.k_mean + int64_t(bh) * D + 4 * lane);
-  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int r = warp; r < kQuantizeTokens; r += kQuantizeThreads / 32) {
+  float k_mean[8], zero[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    k_mean[j] = p.k_mean[int64_t(bh) * D + c0 + j];
+    zero[j] = 0.f;
+  }
+  // Every lane runs every step (the shuffles), rows past the ends read zeros and store nothing.
+  for (int r = threadIdx.x / 16; r < kQuantizeTokens; r += kRowsAtOnce) {
     const int s = first + r;
-    if (s < p.seq_q) {
-      float dot;
-      const float4 x = load_four(p.q, row_offset(p.q_stride, b, s, h) + 4 * lane, p.dtype);
+    float x[8], dot;
+    uint2 bytes;
+    const bool q_row = s < p.seq_q;
+    if (q_row) {
+      load_eight(p.q, row_offset(p.q_stride, b, s, h) + c0, p.dtype, x);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = 0.f;
+    }
+    float scale = quantize_row(x, k_mean, dot, bytes);
+    if (q_row) {
       const int64_t row = int64_t(bh) * p.seq_q + s;
-      const float scale = quantize_row(x, p.q8 + row * D, lane, k_mean, dot);
+      reinterpret_cast<uint2*>(p.q8 + row * D)[lane] = bytes;
       if (lane == 0) {
         p.q_scale[row] = scale;
         p.lse_shift[row] = p.scale * dot;
       }
     }
+    const bool k_row = s < p.seq_kv;  // rows up to seq_kv_padded: zero keys, scale 0 (their columns are masked)
+    if (k_row) {
+      load_eight(p.k, row_offset(p.k_stride, b, s, h) + c0, p.dtype, x);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] -= k_mean[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = 0.f;
+    }
+    scale = quantize_row(x, zero, dot, bytes);
     if (s < p.seq_kv_padded) {
       const int64_t row = int64_t(bh) * p.seq_kv_padded + s;
-      if (s < p.seq_kv) {
-        float4 x = load_four(p.k, row_offset(p.k_stride, b, s, h) + 4 * lane, p.dtype);
-        x = make_float4(x.x - k_mean.x, x.y - k_mean.y, x.z - k_mean.z, x.w - k_mean.w);
-        float dot;  // unused
-        const float scale = quantize_row(x, p.k8 + row * D, lane, zero, dot);
-        if (lane == 0) p.k_scale[row] = scale;
-      } else {  // padding: zero keys (their columns are masked)
-        reinterpret_cast<uint32_t*>(p.k8 + row * D)[lane] = 0u;
-        if (lane == 0) p.k_scale[row] = 0.f;
-      }
+      reinterpret_cast<uint2*>(p.k8 + row * D)[lane] = bytes;  // zeros past seq_kv
+      if (lane == 0) p.k_scale[row] = k_row ? scale : 0.f;
     }
   }
   // V: thread d quantizes channel d of each token and writes 16-byte rows of the chunks.
   if (p.v8 == nullptr) return;
   const int d = threadIdx.x;
-  const float v_mean = p.v_mean[int64_t(bh) * D + d], v_scale = p.v_scale[int64_t(bh) * D + d];
+  const float v_mean = p.v_mean[int64_t(bh) * D + d], v_inv = 1.f / p.v_scale[int64_t(bh) * D + d];
   for (int c = 0; c < kQuantizeTokens / kChunk; ++c) {
     const int s0 = first + c * kChunk;
     if (s0 >= p.seq_kv_padded) break;
@@ -169,7 +230,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
       for (int i = 0; i < 4; ++i) {
         const int s = s0 + 4 * w + i;
         q[i] = s < p.seq_kv
-                   ? quantize_value(load_element(p.v, row_offset(p.v_stride, b, s, h) + d, p.dtype) - v_mean, v_scale)
+                   ? quantize_value(load_element(p.v, row_offset(p.v_stride, b, s, h) + d, p.dtype) - v_mean, v_inv)
                    : 0;
       }
       x[w] = pack_int8(q[0], q[1], q[2], q[3]) ^ 0x80808080u;  // plus 128 per byte
