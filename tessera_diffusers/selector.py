@@ -594,9 +594,6 @@ def estimate_with(estimator: PlanEstimator, state: MaskState) -> list[float]:
 # 4-15% of kernel time on the H200, on 64-row blocks next to nothing (docs/results.md, "Design
 # decisions"). The rule serves tables without a ``/reused`` key (Selector.reused_plan).
 GROUPED_MAX_BLOCK_Q = 32
-# An 8-bit request (no table keys of its own) regroups every Hopper plan that can: on the H200 at
-# 32k tokens its kernel ran 0.995-1.40x (GM 1.13x) as fast grouped as natural, blocks of 16-64 rows
-# (docs/results.md, "8-bit attention").
 GROUP_QUERIES_ENV = config.GROUP_QUERIES_ENV  # "0": never, "1": every plan that can, unset: the table or the rule
 
 
@@ -610,6 +607,9 @@ def reused_mask_plan(plan: PhysicalPlan, request: Request) -> PhysicalPlan:
     setting = config.get("group_queries")
     if setting is False:
         return plan
+    # An 8-bit request (no table keys of its own) regroups every Hopper plan that can: on the H200 at
+    # 32k tokens its kernel ran 0.995-1.40x (GM 1.13x) as fast grouped as natural, blocks of 16-64
+    # rows (docs/results.md, "8-bit attention").
     limited = request.precision == INPUT_PRECISION and request.block_q > GROUPED_MAX_BLOCK_Q
     if setting is None and (plan.kernel.family is not Family.HOPPER or limited):
         return plan
