@@ -141,8 +141,9 @@ __global__ void __launch_bounds__(kQuantizeThreads) channel_finish(const __grid_
 }
 
 // One token row to int8 with its own scale (a half-warp, 8 channels per lane: both halves of the
-// warp call it together, each on its own row); returns the scale and, through `dot`, the row's dot
-// product with `other` (the lane's 8 channels of it).
+// warp call it together, each on its own row); returns the scale and, with kDot, through `dot` the
+// row's dot product with `other` (the lane's 8 channels of it).
+template <bool kDot>
 __device__ __forceinline__ float quantize_row(const float (&x)[8], const float (&other)[8], float& dot,
                                               uint2& bytes) {
   float amax = 0.f;
@@ -150,12 +151,12 @@ __device__ __forceinline__ float quantize_row(const float (&x)[8], const float (
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     amax = fmaxf(amax, fabsf(x[j]));
-    dot = fmaf(x[j], other[j], dot);
+    if constexpr (kDot) dot = fmaf(x[j], other[j], dot);
   }
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) {  // within the half-warp
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if constexpr (kDot) dot += __shfl_xor_sync(0xffffffffu, dot, o);
   }
   const float scale = amax > 0.f ? amax / kInt8Max : 1.f;
   const float inv = 1.f / scale;
@@ -172,12 +173,9 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
   const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
   const int lane = threadIdx.x % 16, c0 = 8 * lane;
   const int first = blockIdx.x * kQuantizeTokens;
-  float k_mean[8], zero[8];
+  float k_mean[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    k_mean[j] = p.k_mean[int64_t(bh) * D + c0 + j];
-    zero[j] = 0.f;
-  }
+  for (int j = 0; j < 8; ++j) k_mean[j] = p.k_mean[int64_t(bh) * D + c0 + j];
   // Every lane runs every step (the shuffles), rows past the ends read zeros and store nothing.
   for (int r = threadIdx.x / 16; r < kQuantizeTokens; r += kRowsAtOnce) {
     const int s = first + r;
@@ -190,7 +188,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
 #pragma unroll
       for (int j = 0; j < 8; ++j) x[j] = 0.f;
     }
-    float scale = quantize_row(x, k_mean, dot, bytes);
+    float scale = quantize_row<true>(x, k_mean, dot, bytes);  // the Q row's dot with K's mean: its lse shift
     if (q_row) {
       const int64_t row = int64_t(bh) * p.seq_q + s;
       reinterpret_cast<uint2*>(p.q8 + row * D)[lane] = bytes;
@@ -208,7 +206,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
 #pragma unroll
       for (int j = 0; j < 8; ++j) x[j] = 0.f;
     }
-    scale = quantize_row(x, zero, dot, bytes);
+    scale = quantize_row<false>(x, k_mean, dot, bytes);
     if (s < p.seq_kv_padded) {
       const int64_t row = int64_t(bh) * p.seq_kv_padded + s;
       reinterpret_cast<uint2*>(p.k8 + row * D)[lane] = bytes;  // zeros past seq_kv
