@@ -21,9 +21,8 @@ Hopper's 8-bit tensor cores (INT8 and FP8) run at twice the bf16 rate. Per ``(ba
   rate; a kernel keeps V in the inputs' 16-bit type). Its kernels measured as fast as INT8 P V's
   with about half the error (``docs/results.md``).
 
-The row sums add up the rounded probabilities for int8 and bf16 (the weights the product applies:
-they sum to 1, so V's mean comes back exactly; a bf16 kernel adds them up in the tensor cores, in
-P V's batch), the probabilities before rounding for fp8. Measured on
+The row sums add up the rounded probabilities for int8 (the weights the product applies: they sum
+to 1, so V's mean comes back exactly), the probabilities before rounding for fp8 and bf16. Measured on
 random inputs (``docs/results.md``), INT8 P V errs about a third as much as FP8 P V, bf16 P V
 about a quarter. ``attention`` is the twin: the same arithmetic with the softmax in one pass, its
 KV tiles ``kv_tile`` consecutive keys of the key blocks a chunk of query blocks needs (a kernel's
@@ -159,7 +158,7 @@ def run(x: QuantizedInputs, mask: LogicalMask, kv_tile: int = 128) -> tuple[torc
         has_key = row_max > -math.inf
         p = torch.exp(scores - torch.where(has_key, row_max, torch.zeros_like(row_max)))
         rounded = rounded_probabilities(p, x.pv, kv_tile)
-        sums = (p if x.pv == "fp8" else rounded).sum(-1, keepdim=True)
+        sums = (rounded if x.pv == "int8" else p).sum(-1, keepdim=True)
         denom = torch.where(has_key, sums, torch.ones_like(row_max))
         pv = rounded @ x.v[b, tokens, h].float()
         o = pv * x.v_scale[b, h] / denom + x.v_mean[b, h]

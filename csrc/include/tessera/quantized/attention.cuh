@@ -268,25 +268,28 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
 
 // Online softmax of one tile's int32 scores `s` into fp32 probabilities `sf` for a 16-bit P V
 // (T::kPv16): the scores of column_scaled_scores times rf, probabilities relative to the row's lazy
-// reference (as the 16-bit kernels': at most 2^kRescaleThreshold); returns in `alpha` the factor for
-// what was accumulated under the previous reference. The row sums come from the tensor cores
-// (consumer_loop_p16).
+// reference (as the 16-bit kernels': at most 2^kRescaleThreshold), the row sums of the unrounded
+// probabilities (as the twin's pv="bf16"); returns in `alpha` the factor for what was accumulated
+// under the previous reference.
 template <class T, class FragS, class FragF, int kBlocks>
 __device__ __forceinline__ void softmax_to_p16(const TesseraAttnParams& p, const Task& t, int tile,
                                                const TileActivity& act, const FragS& s,
                                                const float2 (&ks)[kBlocks], int lane_col, const int (&row_of_half)[2],
-                                               const float (&rf)[2], float (&row_max)[2], float (&alpha)[2],
-                                               FragF& sf) {
+                                               const float (&rf)[2], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&alpha)[2], FragF& sf) {
   constexpr int kVals = decltype(size(s))::value;
   column_scaled_scores<T>(p, t, tile, act, s, ks, lane_col, row_of_half, sf);
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     const float ref = move_reference<T>(sf, half, rf[half], row_max[half], alpha[half]).row;
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
     CUTE_UNROLL
     for (int e = 2 * half; e < kVals; e += 4) {
       sf(e) = fast_exp2(fmaf(sf(e), rf[half], -ref));
       sf(e + 1) = fast_exp2(fmaf(sf(e + 1), rf[half], -ref));
+      part[(e >> 2) % 4] += sf(e) + sf(e + 1);
     }
+    row_sum[half] = fmaf(row_sum[half], alpha[half], (part[0] + part[1]) + (part[2] + part[3]));
   }
 }
 
@@ -311,16 +314,12 @@ __device__ __forceinline__ void accumulate(FragO& o, const FragOi& oi, const flo
   for (int e = 0; e < size(o); ++e) o(e) = fma_keep_denormals(__int_as_float(oi(e)), unit[(e >> 1) & 1], o(e));
 }
 
-// Each accumulator (O, and the row sums where the tensor cores keep them) *= alpha per row half,
-// skipped by a warp none of whose rows moved its reference.
-template <class... Frags>
-__device__ __forceinline__ void rescale(const float (&alpha)[2], Frags&... accumulators) {
+// O *= alpha per row half, skipped by a warp none of whose rows moved its reference.
+template <class FragO>
+__device__ __forceinline__ void rescale(FragO& o, const float (&alpha)[2]) {
   if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-    auto scale = [&](auto& acc) {
-      CUTE_UNROLL
-      for (int e = 0; e < size(acc); ++e) acc(e) *= alpha[(e >> 1) & 1];
-    };
-    (scale(accumulators), ...);
+    CUTE_UNROLL
+    for (int e = 0; e < size(o); ++e) o(e) *= alpha[(e >> 1) & 1];
   }
 }
 
@@ -548,7 +547,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
       warpgroup_wait<0>();
       scores(i);
-      rescale(alpha, o);
+      rescale(o, alpha);
     }
     turns.wait_turn();
     issue_pv<true>(mmas, views, bar, read_v, prob, oi);
@@ -559,69 +558,22 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
   });
 }
 
-// The row-sum operand of T::kPv16 (T::SmemLayoutOnes): a 16 x 8 matrix whose first column is ones,
-// written once per CTA before the consumers start. Made visible to the tensor cores' reads.
-template <class T>
-__device__ __forceinline__ void write_row_sum_operand(unsigned char* smem) {
-  using Output = typename T::Output;
-  Tensor ones = make_tensor(make_smem_ptr(reinterpret_cast<Output*>(smem + T::kSmemOnesOffset)),
-                            typename T::SmemLayoutOnes{});  // (8, 16)
-  for (int i = threadIdx.x; i < size(ones); i += blockDim.x) {
-    const int column = i % 8;  // the layout's first mode
-    ones(column, i / 8) = Output(column == 0 ? 1.f : 0.f);
-  }
-  cutlass::arch::fence_view_async_shared();
-}
-
-// O += P V and the row sums += P [1 0 ... 0] (`sums`, T::MmaRowSum) in one wgmma batch on the next
-// V stage, once the producer has filled it: the tensor cores add up the 16-bit P that P V applies.
-template <class T, class Views, class FragP, class FragO, class OnesB, class FragSum>
-__device__ __forceinline__ void issue_pv_and_sums(hopper::TiledMmas<T>& mmas, typename T::MmaRowSum& sum_mma,
-                                                  const Views& views, const OnesB& ones,
-                                                  PipelineBarriers<T::kStages, T::kQStages>& bar,
-                                                  const PipeState<T::kStages>& read_v, FragP& prob, FragO& o,
-                                                  FragSum& sums) {
-  Barrier::wait(&bar.v_full[read_v.stage], read_v.phase);
-  const auto vt = views.vt(_, _, _, read_v.stage);
-  warpgroup_fence_operand(prob);
-  warpgroup_fence_operand(o);
-  warpgroup_fence_operand(sums);
-  warpgroup_arrive();
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(prob); ++kb) cute::gemm(mmas.pv, prob(_, _, kb), vt(_, _, kb), o);
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(prob); ++kb) cute::gemm(sum_mma, prob(_, _, kb), ones(_, _, 0), sums);
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(o);
-  warpgroup_fence_operand(sums);
-}
-
 // The consumers with a 16-bit P V (T::kPv16), in the 16-bit kernels' order (hopper::consume_task):
-// per KV tile i, issue S = Q8 K8_i^T (int32) and O += P_{i-1} V_{i-1} (fp32, with the row sums of
-// P_{i-1}); wait S; release K_i; softmax into fp32 P_i; wait O; O and the sums *= alpha_i; P_i to
-// 16 bits. The row sums are those of the rounded P (the weights P V applies), so a tile's softmax
-// issues no additions.
-template <class T, class SmemQ, class SmemK, class SmemVt, class SmemOnes>
+// per KV tile i, issue S = Q8 K8_i^T (int32) and O += P_{i-1} V_{i-1} (fp32); wait S; release
+// K_i; softmax into fp32 P_i; wait O; O *= alpha_i; P_i to 16 bits.
+template <class T, class SmemQ, class SmemK, class SmemVt>
 __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK& sK, SmemVt& sVt,
-                                  const SmemOnes& sOnes, uint32_t ks_smem,
-                                  PipelineBarriers<T::kStages, T::kQStages>& bar) {
+                                  uint32_t ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
   using Output = typename T::Output;
   const TesseraAttnParams& p = qp.attn;
   const int ctid = threadIdx.x - T::kProducerThreads;
   const LaneRelease release;
   hopper::TiledMmas<T> mmas;
   const auto views = consumer_views<T>(mmas, ctid, sQ, sK, sVt);
-  typename T::MmaRowSum sum_mma;
-  sum_mma.accumulate_ = GMMA::ScaleOut::One;
-  const auto ones = sum_mma.get_thread_slice(ctid).partition_fragment_B(sOnes);  // one descriptor (MMA, 1, 1)
 
   Tensor s = partition_fragment_C(mmas.qk, Shape<Int<T::kTileQ>, Int<T::kTileKV>>{});  // int32
   Tensor sf = make_tensor<float>(s.layout());                                          // the tile's P, fp32
   Tensor o = partition_fragment_C(mmas.pv, Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{});  // fp32
-  // Row sums in the accumulator order of an n8 block: value 2 half holds the row half's sum on the
-  // quad's first lane (column 0), the other values 0, so the epilogue's quad sum is the row's sum.
-  Tensor sums = partition_fragment_C(sum_mma, Shape<Int<T::kTileQ>, _8>{});
-  static_assert(decltype(size(sums))::value == 4, "one n8 block: two columns of two row halves");
   // P in the register layout of the 16-bit A operand: ((2, 2, 2), 1, N / 16), the same value order as S.
   Tensor prob = make_tensor<Output>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<T::kTileKV / 16>>>{});
   static_assert(decltype(size(prob))::value == decltype(size(s))::value, "a P value per score value");
@@ -637,12 +589,12 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
     float alpha[2];
     TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
     float2 ks[kBlocks];
-    clear(sums);
     auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
       warpgroup_fence_operand(s);
       release_k<T>(bar, read_k);
       if (i == n - 1) release(&bar.q_empty[qs]);
-      softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, alpha, sf);
+      softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
+                        sf);
     };
     auto to_prob = [&]() {
       CUTE_UNROLL
@@ -660,23 +612,21 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
       act = tile_activity<T::kTileQ>(p, t, t.tile_begin + i);
       turns.wait_turn();
       issue_scores(mmas, views, qs, bar, read_k, s);
-      issue_pv_and_sums(mmas, sum_mma, views, ones, bar, read_v, prob, o, sums);
+      issue_pv<false>(mmas, views, bar, read_v, prob, o);
       turns.pass_turn();
       stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
       warpgroup_wait<1>();  // S_i done (committed first), O += P_{i-1} V_{i-1} in flight
       scores(i);
       warpgroup_wait<0>();
       pv_done<T>(release, bar, read_v, prob, o);
-      rescale(alpha, o, sums);
+      rescale(o, alpha);
       to_prob();
     }
     turns.wait_turn();
-    issue_pv_and_sums(mmas, sum_mma, views, ones, bar, read_v, prob, o, sums);
+    issue_pv<false>(mmas, views, bar, read_v, prob, o);
     turns.pass_turn();
     warpgroup_wait<0>();
     pv_done<T>(release, bar, read_v, prob, o);
-    row_sum[0] = sums(0);
-    row_sum[1] = sums(2);
   });
 }
 
@@ -710,7 +660,6 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
                            typename T::SmemLayoutVt{});
   __shared__ PipelineBarriers<T::kStages, T::kQStages> bar;
   if (threadIdx.x == 0) init_barriers<T>(bar);
-  if constexpr (T::kPv16) write_row_sum_operand<T>(base);
   __syncthreads();
   if (threadIdx.x < T::kProducerThreads) {
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
@@ -719,10 +668,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     const uint32_t ks_smem = uint32_t(__cvta_generic_to_shared(base + T::kSmemKScaleOffset));
     if constexpr (T::kPv16)
-      consumer_loop_p16<T>(qp, sQ, sK, sVt,
-                           make_tensor(make_smem_ptr(reinterpret_cast<typename T::Output*>(base + T::kSmemOnesOffset)),
-                                       typename T::SmemLayoutOnes{}),
-                           ks_smem, bar);
+      consumer_loop_p16<T>(qp, sQ, sK, sVt, ks_smem, bar);
     else
       consumer_loop<T>(qp, sQ, sK, sVt, ks_smem, bar);
   }

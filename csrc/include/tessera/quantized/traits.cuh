@@ -35,16 +35,13 @@ struct Traits {
   // the other's GEMMs (as the 16-bit 64 x 64 kernels, tessera/hopper/traits.cuh).
   static constexpr int kCtasPerSm = kTileQ == 64 && kTileKV == 64 ? 2 : 1;
 
-  // Shared memory: Q buffers, then the K ring, the V ring, the K scales and, with kPv16, the
-  // row-sum operand (a 16 x 8 matrix whose first column is ones, attention.cuh).
+  // Shared memory: Q buffers, then the K ring, the V ring, the K scales.
   static constexpr int kSmemQTileBytes = kTileQ * kHeadDim;
   static constexpr int kSmemKTileBytes = kTileKV * kHeadDim;
   static constexpr int kSmemVTileBytes = kTileKV * kHeadDim * int(sizeof(VElement));
   static constexpr int kSmemKScaleBytes = kTileKV * int(sizeof(float));
-  static constexpr int kSmemOnesBytes = kPv16 ? 16 * 8 * int(sizeof(Output)) : 0;
   static constexpr int smem_bytes(int q_stages) {
-    return q_stages * kSmemQTileBytes + kStages * (kSmemKTileBytes + kSmemVTileBytes + kSmemKScaleBytes) +
-           kSmemOnesBytes + 1024;
+    return q_stages * kSmemQTileBytes + kStages * (kSmemKTileBytes + kSmemVTileBytes + kSmemKScaleBytes) + 1024;
   }
   // Each CTA's shared memory with 2 KB of margin (the SM's 1 KB reserved per CTA, the barriers).
   static constexpr bool fits(int bytes) { return kCtasPerSm * (bytes + 2048) <= 228 * 1024; }
@@ -54,7 +51,6 @@ struct Traits {
   static constexpr int kSmemKOffset = kSmemQBytes;
   static constexpr int kSmemVOffset = kSmemKOffset + kStages * kSmemKTileBytes;
   static constexpr int kSmemKScaleOffset = kSmemVOffset + kStages * kSmemVTileBytes;
-  static constexpr int kSmemOnesOffset = kSmemKScaleOffset + kStages * kSmemKScaleBytes;
 
   static constexpr bool kReallocRegisters = kWarpgroups == 2 || kCtasPerSm == 2;
   static constexpr int kLaunchRegisters = (65536 / (kThreads * kCtasPerSm)) / 8 * 8;
@@ -78,14 +74,6 @@ struct Traits {
                     decltype(GMMA::rs_op_selector<uint8_t, uint8_t, int32_t, MmaPVShape, GMMA::Major::K,
                                                   GMMA::Major::K>())>{},
       Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
-
-  // kPv16: the row sums of P as one more GEMM in P V's batch, P (the same A registers) times a
-  // column of ones: each 16-key step of P reads the same 16 x 8 operand (K-major, unswizzled),
-  // whose first column is ones, through one loop-invariant descriptor.
-  using MmaRowSum = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Output, Output, float, Shape<_64, _8, _16>, GMMA::Major::K, GMMA::Major::K>(),
-      Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
-  using SmemLayoutOnes = decltype(tile_to_shape(GMMA::Layout_K_INTER_Atom<Output>{}, Shape<_8, _16>{}));
 
   // Q and K: rows of kHeadDim bytes, 128-byte swizzled as TMA writes them.
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<int8_t>{},
@@ -121,11 +109,8 @@ struct Traits {
                                           kLaunchRegisters * kThreads,
                 "register budgets fit the registers the CTA launches with");
   static_assert(fits(kSmemBytes), "shared memory of kCtasPerSm CTAs fits an H100/H200 SM");
-  static_assert(kSmemKOffset % 1024 == 0 && kSmemVOffset % 1024 == 0 && kSmemKScaleOffset % 16 == 0 &&
-                    kSmemOnesOffset % 16 == 0,
-                "swizzled tiles on 1024-byte boundaries, bulk copies and the unswizzled operand on 16-byte ones");
-  static_assert(cosize(SmemLayoutOnes{}) * int(sizeof(Output)) == 16 * 8 * int(sizeof(Output)),
-                "the row-sum operand is dense");
+  static_assert(kSmemKOffset % 1024 == 0 && kSmemVOffset % 1024 == 0 && kSmemKScaleOffset % 16 == 0,
+                "swizzled tiles on 1024-byte boundaries, bulk copies on 16-byte ones");
 };
 
 }  // namespace tessera::quantized
