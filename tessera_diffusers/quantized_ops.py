@@ -171,15 +171,14 @@ def run_quantized(prepared: PreparedPlan, q: torch.Tensor, k: torch.Tensor, v: t
         raise InvalidArgumentError("quantized", "the pass's tensors with v8 (quantize(..., pv=\"int8\"))",
                                    "tensors without v8")
     v_read = x.v8 if pv == "int8" else ops.with_aligned_loads(v)  # a 16-bit V goes through TMA: 16-byte steps
-    out, lse, workspace, counter = ops.output_buffers(q, config.num_splits, return_lse,
-                                                      ops.dynamic_schedule(prepared.plan))
+    out, lse, workspace, _ = ops.output_buffers(q, config.num_splits, return_lse)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     template = ops.unbound_template(spec.name, tuple(config), tuple(q.shape), k.shape[1],
                                     tuple(prepared.tile_counts.shape[:2]), (q.stride(), k.stride(), v_read.stride(),
                                                                             out.stride()),
                                     q.dtype, device_index, scale).bind(prepared.metadata)
-    attn, merge = template.fill(x.q8, x.k8, v_read, out, lse, workspace, counter)
-    if config.persistent:  # a grid of the 8-bit kernel's resident CTAs, taking tasks from the counter
+    attn, merge = template.fill(x.q8, x.k8, v_read, out, lse, workspace)
+    if config.persistent:  # static striding over a grid of the 8-bit kernel's resident CTAs
         ctas = max(1, qlib.lib.handle.tessera_quantized_kernel_ctas_per_sm(kid))
         attn.grid_size = ctas * torch.cuda.get_device_properties(device_index).multi_processor_count
     params = TesseraQuantizedParams()

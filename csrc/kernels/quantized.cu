@@ -40,7 +40,7 @@ bool padded_kv(int seq_kv, int seq_kv_padded) {
 }
 
 // What an 8-bit kernel trusts in `qp`: the plan's metadata as the 16-bit launch checks it
-// (library.cu) and the 8-bit buffers of the quantization pass.
+// (library.cu), the 8-bit buffers of the quantization pass, and the static schedule.
 bool valid_attention(const TesseraQuantizedParams& qp, const tessera::quantized::KernelLimits& k) {
   const TesseraAttnParams& p = qp.attn;
   if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.o == nullptr || p.tile_counts == nullptr ||
@@ -48,6 +48,7 @@ bool valid_attention(const TesseraQuantizedParams& qp, const tessera::quantized:
       qp.k_scale == nullptr || qp.lse_shift == nullptr)
     return false;
   if (!k.pv16 && (qp.v_scale == nullptr || qp.v_mean == nullptr)) return false;  // an 8-bit P V restores V with them
+  if (p.task_counter != nullptr) return false;  // the 8-bit kernels take tasks by static striding only
   if (p.batch < 1 || p.heads < 1 || p.seq_q < 1 || p.seq_kv < 1 || !padded_kv(p.seq_kv, qp.seq_kv_padded)) return false;
   if ((p.mask_batch != 1 && p.mask_batch != p.batch) || (p.mask_heads != 1 && p.mask_heads != p.heads)) return false;
   if (p.q_unit_log2 < kMinUnitLog2 || p.q_unit_log2 > kMaxUnitLog2 || p.kv_unit_log2 < kMinUnitLog2 ||
@@ -66,7 +67,7 @@ bool valid_attention(const TesseraQuantizedParams& qp, const tessera::quantized:
     return false;
   return aligned(p.o, 2) && aligned(p.lse, 4) && aligned(p.o_partial, 8) && aligned(p.lse_partial, 4) &&
          aligned(p.tile_counts, 4) && aligned(p.tile_slots, 4) && aligned(p.tile_member, 8) && aligned(p.q_order, 4) &&
-         aligned(p.q_units, 4) && aligned(p.task_counter, 4);
+         aligned(p.q_units, 4);
 }
 
 // What the quantization pass trusts in `p`.

@@ -16,8 +16,7 @@
 // P's bytes come from f16 pairs: two fp32 exponentials packed, one HFMA2 rounds both to bytes.
 // With T::kPv16 only Q K^T is 8-bit: P and V stay in the output's 16-bit type and P V accumulates
 // in fp32 in the tensor cores, in the 16-bit kernels' order (consumer_loop_p16).
-// Tasks as the 16-bit kernels take them: every gridDim.x-th, or on a persistent grid launched with
-// a task counter (p.task_counter) from the counter (attention_kernel<T, true>).
+// Static schedule only (every gridDim.x-th task): the launcher refuses a task counter.
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -101,18 +100,16 @@ __device__ __forceinline__ void load_q(const TesseraAttnParams& p, const TmaMaps
 // K (a TMA box per slot) with its scales, then V: 8-bit V^T by a bulk copy per slot (a slot of
 // kv_unit tokens is kv_unit / 16 contiguous chunks of v8), 16-bit V (T::kPv16) by TMA boxes as the
 // 16-bit kernels load it; once per KV tile of task t, each after its stage is free.
-// `before_tile(tile)` runs before each tile's loads are issued (producer_loop_dynamic's hand-over).
-template <class T, class BeforeTile>
+template <class T>
 __device__ __forceinline__ void load_tiles(const TesseraQuantizedParams& qp, const TmaMaps& tma, const Task& t,
                                            unsigned char* smem, PipelineBarriers<T::kStages, T::kQStages>& bar,
-                                           PipeState<T::kStages>& write, const BeforeTile& before_tile) {
+                                           PipeState<T::kStages>& write) {
   const TesseraAttnParams& p = qp.attn;
   const int unit = 1 << p.kv_unit_log2;
   const int64_t bh = int64_t(t.b) * p.heads + t.h;
   const float* k_scale = qp.k_scale + bh * qp.seq_kv_padded;
   const uint8_t* v8 = static_cast<const uint8_t*>(p.v) + bh * qp.seq_kv_padded * T::kHeadDim;
   for (int tile = t.tile_begin; tile < t.tile_end; ++tile) {
-    before_tile(tile);
     const int32_t* slots = tile_slots(p, t, tile);
     int start[T::kMaxSlots];
     CUTE_UNROLL
@@ -160,61 +157,7 @@ __device__ void producer_loop(const TesseraQuantizedParams& qp, const TmaMaps& t
     load_q<T>(p, tma, t, reinterpret_cast<int8_t*>(smem) + write_q.stage * T::kSmemQTileBytes,
               &bar.q_full[write_q.stage]);
     write_q.advance();
-    load_tiles<T>(qp, tma, t, smem, bar, write, [](int) {});
-  }
-}
-
-// The producer of a dynamically scheduled persistent grid (p.task_counter), the 16-bit kernels'
-// split (hopper::producer_loop_dynamic): the taker thread takes the CTA's tasks (CTA b starts with
-// task b, then the counter), decodes each, waits for the next Q buffer, hands the task over in its
-// slot (bar.task, announced on task_ready) and loads its Q (every task, with tiles or not, and the
-// end, b = -1, go through a Q buffer); the loader thread loads each handed-over task's K and V and
-// lets the taker take the next one hopper::kTakeAhead tiles before the task's end (take_go).
-template <class T>
-__device__ void producer_loop_dynamic(const TesseraQuantizedParams& qp, const TmaMaps& tma, unsigned char* smem,
-                                      PipelineBarriers<T::kStages, T::kQStages>& bar) {
-  const TesseraAttnParams& p = qp.attn;
-  if (threadIdx.x == hopper::kTakerThread) {
-    cute::prefetch_tma_descriptor(&tma.q);
-    const int64_t tasks = num_tasks(p);
-    PipeState<T::kQStages> write_q;
-    uint32_t go_phase = 0;
-    int64_t task_id = blockIdx.x;
-    while (true) {
-      Task t{};
-      t.b = -1;
-      if (task_id < tasks) t = decode_task(p, task_id);  // before the wait: its reads overlap it
-      const int qs = write_q.stage;
-      Barrier::wait(&bar.q_empty[qs], write_q.phase ^ 1u);
-      write_q.advance();
-      bar.task[qs] = t;
-      Barrier::arrive(&bar.task_ready[qs]);
-      if (t.b >= 0 && t.tile_end > t.tile_begin)
-        load_q<T>(p, tma, t, reinterpret_cast<int8_t*>(smem) + qs * T::kSmemQTileBytes, &bar.q_full[qs]);
-      else
-        Barrier::arrive(&bar.q_full[qs]);  // no Q to load: the consumers write the empty rows, or stop
-      if (t.b < 0) return;
-      Barrier::wait(&bar.take_go, go_phase);
-      go_phase ^= 1u;
-      task_id = int64_t(gridDim.x) + atomicAdd(p.task_counter, 1);
-    }
-  }
-  if (threadIdx.x != 0) return;
-  cute::prefetch_tma_descriptor(&tma.k);
-  if constexpr (T::kPv16) cute::prefetch_tma_descriptor(&tma.v);
-  PipeState<T::kStages> write;
-  PipeState<T::kQStages> read_q;
-  while (true) {
-    Barrier::wait(&bar.task_ready[read_q.stage], read_q.phase);
-    const Task t = hopper::handed_task(bar.task[read_q.stage]);
-    read_q.advance();
-    if (t.b < 0) return;
-    constexpr bool kEarly = T::kQStages == 2 && hopper::kTakeAhead > 0;
-    const int go_at = kEarly ? max(t.tile_begin, t.tile_end - hopper::kTakeAhead) : t.tile_end;
-    load_tiles<T>(qp, tma, t, smem, bar, write, [&](int tile) {
-      if (tile == go_at) Barrier::arrive(&bar.take_go);
-    });
-    if (go_at >= t.tile_end) Barrier::arrive(&bar.take_go);  // not during the loads (or no tiles)
+    load_tiles<T>(qp, tma, t, smem, bar, write);
   }
 }
 
@@ -468,18 +411,18 @@ __device__ __forceinline__ auto consumer_views(hopper::TiledMmas<T>& mmas, int c
                             thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kTileQ>, Int<T::kHeadDim>>{})));
 }
 
-// The consumers' frame around each task, for both P V formats: the producer's task sequence
-// (kDynamic: each task read from the Q buffer slot it came through, until the end; else every
-// gridDim.x-th), the row state cleared; for a task with KV tiles the row factors, the wait on its Q
-// buffer qs, `body(t, n, qs, rf, row_max, row_sum)` over its n tiles (it releases the buffer,
-// release_q); then the output (an empty row's too). A dynamic task without tiles releases its
-// buffer here: it came through one.
-template <class T, bool kDynamic, class Views, class FragO, class Body>
+// The consumers' frame around each task, for both P V formats: every gridDim.x-th task (the
+// producer's sequence) with its row state cleared; for a task with KV tiles the row factors, the
+// wait on its Q buffer qs, `body(t, n, qs, rf, row_max, row_sum)` over its n tiles, and the Q read
+// state advanced; then the output (an empty row's too).
+template <class T, class Views, class FragO, class Body>
 __device__ __forceinline__ void for_each_task(const TesseraQuantizedParams& qp, const Views& views, FragO& o,
                                               PipelineBarriers<T::kStages, T::kQStages>& bar,
                                               PipeState<T::kQStages>& read_q, Body&& body) {
   const TesseraAttnParams& p = qp.attn;
-  auto one_task = [&](const Task& t) {
+  const int64_t tasks = num_tasks(p);
+  for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) {
+    const Task t = decode_task(p, task_id);
     const int n = t.tile_end - t.tile_begin;
     float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};
     clear(o);
@@ -487,36 +430,12 @@ __device__ __forceinline__ void for_each_task(const TesseraQuantizedParams& qp, 
       float rf[2];
       row_factors<T>(qp, t, views.row_of_half, rf);
       const int qs = read_q.stage;
-      if constexpr (!kDynamic) Barrier::wait(&bar.q_full[qs], read_q.phase);
+      Barrier::wait(&bar.q_full[qs], read_q.phase);
       body(t, n, qs, rf, row_max, row_sum);
-    } else if constexpr (kDynamic) {
-      Barrier::arrive(&bar.q_empty[read_q.stage]);
+      read_q.advance();
     }
-    if (kDynamic || n > 0) read_q.advance();
     store_output<T>(qp, t, o, row_max, row_sum, views.coords_o, views.row_of_half);
-  };
-  if constexpr (kDynamic) {
-    while (true) {
-      Barrier::wait(&bar.q_full[read_q.stage], read_q.phase);
-      const Task t = hopper::handed_task(bar.task[read_q.stage]);
-      if (t.b < 0) break;
-      one_task(t);
-    }
-  } else {
-    const int64_t tasks = num_tasks(p);
-    for (int64_t task_id = blockIdx.x; task_id < tasks; task_id += gridDim.x) one_task(decode_task(p, task_id));
   }
-}
-
-// The release of Q buffer qs after a task's last Q K^T: one lane per warp on the static schedule;
-// every thread on the dynamic one, each after its own read of the task in the buffer's slot
-// (PipelineBarriers::task; init_barriers).
-template <bool kDynamic, class Release>
-__device__ __forceinline__ void release_q(const Release& release, uint64_t* q_empty) {
-  if constexpr (kDynamic)
-    Barrier::arrive(q_empty);
-  else
-    release(q_empty);
 }
 
 // S = Q8 K8^T (int32) on the next K stage, Q in buffer qs, once the producer has filled the stage
@@ -567,7 +486,7 @@ __device__ __forceinline__ void pv_done(const LaneRelease& release, PipelineBarr
 
 // The consumers with an 8-bit P V: per KV tile i, issue O_i = P8_{i-1} V8_{i-1} (int32) and
 // S = Q8 K8_i^T; wait O_i, add it to O; wait S; softmax into P8_i; O *= alpha_i.
-template <class T, bool kDynamic, class SmemQ, class SmemK, class SmemVt>
+template <class T, class SmemQ, class SmemK, class SmemVt>
 __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK& sK, SmemVt& sVt,
                               uint32_t ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
   const TesseraAttnParams& p = qp.attn;
@@ -592,7 +511,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
   const PingPong<T> turns{ctid / 128};
   turns.start();
 
-  for_each_task<T, kDynamic>(qp, views, o, bar, read_q, [&](const Task& t, int n, int qs, const float (&rf)[2],
+  for_each_task<T>(qp, views, o, bar, read_q, [&](const Task& t, int n, int qs, const float (&rf)[2],
                                                   float (&row_max)[2], float (&row_sum)[2]) {
     float alpha[2], unit[2];
     TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
@@ -604,7 +523,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       unit[0] *= kUnitScale;
       unit[1] *= kUnitScale;
       release_k<T>(bar, read_k);
-      if (i == n - 1) release_q<kDynamic>(release, &bar.q_empty[qs]);
+      if (i == n - 1) release(&bar.q_empty[qs]);
     };
 
     turns.wait_turn();
@@ -642,7 +561,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
 // The consumers with a 16-bit P V (T::kPv16), in the 16-bit kernels' order (hopper::consume_task):
 // per KV tile i, issue S = Q8 K8_i^T (int32) and O += P_{i-1} V_{i-1} (fp32); wait S; release
 // K_i; softmax into fp32 P_i; wait O; O *= alpha_i; P_i to 16 bits.
-template <class T, bool kDynamic, class SmemQ, class SmemK, class SmemVt>
+template <class T, class SmemQ, class SmemK, class SmemVt>
 __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK& sK, SmemVt& sVt,
                                   uint32_t ks_smem, PipelineBarriers<T::kStages, T::kQStages>& bar) {
   using Output = typename T::Output;
@@ -665,7 +584,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
   const PingPong<T> turns{ctid / 128};
   turns.start();
 
-  for_each_task<T, kDynamic>(qp, views, o, bar, read_q, [&](const Task& t, int n, int qs, const float (&rf)[2],
+  for_each_task<T>(qp, views, o, bar, read_q, [&](const Task& t, int n, int qs, const float (&rf)[2],
                                                   float (&row_max)[2], float (&row_sum)[2]) {
     float alpha[2];
     TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
@@ -673,7 +592,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
     auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
       warpgroup_fence_operand(s);
       release_k<T>(bar, read_k);
-      if (i == n - 1) release_q<kDynamic>(release, &bar.q_empty[qs]);
+      if (i == n - 1) release(&bar.q_empty[qs]);
       softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
                         sf);
     };
@@ -711,18 +630,15 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
   });
 }
 
-// The barriers as PipelineBarriers::init sets them, but k_empty counts consumer threads: each
-// reads its K scales from the stage with generic loads, and an arrival releases only the arriving
-// thread's own reads, so every thread arrives after its reads. q_empty counts consumer warps on the
-// static schedule, threads on the dynamic one (release_q).
-template <class T, bool kDynamic>
+// The barriers as PipelineBarriers::init sets them for a static schedule, but k_empty counts
+// consumer threads: each reads its K scales from the stage with generic loads, and an arrival
+// releases only the arriving thread's own reads, so every thread arrives after its reads.
+template <class T>
 __device__ void init_barriers(PipelineBarriers<T::kStages, T::kQStages>& bar) {
   for (int s = 0; s < T::kQStages; ++s) {
     Barrier::init(&bar.q_full[s], 1);
-    Barrier::init(&bar.q_empty[s], kDynamic ? T::kConsumerThreads : T::kConsumerWarps);
-    Barrier::init(&bar.task_ready[s], 1);
+    Barrier::init(&bar.q_empty[s], T::kConsumerWarps);
   }
-  Barrier::init(&bar.take_go, 1);
   for (int s = 0; s < T::kStages; ++s) {
     Barrier::init(&bar.k_full[s], 1);
     Barrier::init(&bar.k_empty[s], T::kConsumerThreads);
@@ -732,9 +648,7 @@ __device__ void init_barriers(PipelineBarriers<T::kStages, T::kQStages>& bar) {
   cutlass::arch::fence_barrier_init();
 }
 
-// kDynamic: a persistent grid that takes its tasks from p.task_counter (its own kernel, as the
-// 16-bit kernels' dynamic schedule).
-template <class T, bool kDynamic = false>
+template <class T>
 __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     attention_kernel(const __grid_constant__ TesseraQuantizedParams qp, const __grid_constant__ TmaMaps tma) {
   extern __shared__ unsigned char smem_raw[];
@@ -745,21 +659,18 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
   Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<typename T::VElement*>(base + T::kSmemVOffset)),
                            typename T::SmemLayoutVt{});
   __shared__ PipelineBarriers<T::kStages, T::kQStages> bar;
-  if (threadIdx.x == 0) init_barriers<T, kDynamic>(bar);
+  if (threadIdx.x == 0) init_barriers<T>(bar);
   __syncthreads();
   if (threadIdx.x < T::kProducerThreads) {
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-    if constexpr (kDynamic)
-      producer_loop_dynamic<T>(qp, tma, base, bar);
-    else
-      producer_loop<T>(qp, tma, base, bar);
+    producer_loop<T>(qp, tma, base, bar);
   } else {
     if constexpr (T::kReallocRegisters) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     const uint32_t ks_smem = uint32_t(__cvta_generic_to_shared(base + T::kSmemKScaleOffset));
     if constexpr (T::kPv16)
-      consumer_loop_p16<T, kDynamic>(qp, sQ, sK, sVt, ks_smem, bar);
+      consumer_loop_p16<T>(qp, sQ, sK, sVt, ks_smem, bar);
     else
-      consumer_loop<T, kDynamic>(qp, sQ, sK, sVt, ks_smem, bar);
+      consumer_loop<T>(qp, sQ, sK, sVt, ks_smem, bar);
   }
 }
 
@@ -821,12 +732,7 @@ int launch(const TesseraQuantizedParams& qp, cudaStream_t stream) {
   TmaMaps tma;
   const int err = make_tma_maps<T>(qp, tma);
   if (err != 0) return err;
-  const bool dynamic = qp.attn.task_counter != nullptr;
-  if (dynamic) {  // the CTAs count the tasks they take from zero
-    const cudaError_t zeroed = cudaMemsetAsync(qp.attn.task_counter, 0, sizeof(int32_t), stream);
-    if (zeroed != cudaSuccess) return int(zeroed);
-  }
-  auto kernel = dynamic ? attention_kernel<T, true> : attention_kernel<T, false>;
+  auto kernel = attention_kernel<T>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (status != cudaSuccess) return int(status);
   const int64_t grid = qp.attn.grid_size > 0 && qp.attn.grid_size < tasks ? qp.attn.grid_size : tasks;
