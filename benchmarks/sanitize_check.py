@@ -12,9 +12,10 @@ narrows it to the kernels whose name matches a regex. ``--grouped``
 adds each case's grouped query layout where its query tile covers several blocks.
 
 ``--quantized`` runs every 8-bit kernel of the library instead (``--only`` narrows them), each on
-four plans of its 16-bit kernel: 128 x 128 blocks (direct on a 128 x 128 tile, refined on 64 x 64),
-packed on a persistent grid with 3 splits, grouped-packed with 3 splits, refined; checked against
-the fp32 oracle within the 8-bit budget."""
+five plans of its 16-bit kernel: 128 x 128 blocks (direct on a 128 x 128 tile, refined on 64 x 64),
+packed on a persistent grid (tasks from a counter) with 3 splits, grouped-packed with 3 splits,
+refined, grouped-packed on a persistent grid; checked against the fp32 oracle within the 8-bit
+budget."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ QUANTIZED_CASES = [
     ((32, 16), KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 3, persistent=True), False),
     ((32, 32), KvLayout.PACKED, TaskOrganization(Traversal.LONGEST_FIRST, 3), True),
     ((384, 384), KvLayout.CONTIGUOUS, TaskOrganization(Traversal.ROW_MAJOR), False),
+    ((32, 32), KvLayout.PACKED, TaskOrganization(persistent=True), True),
 ]
 
 STATIC_ORGS = (TaskOrganization(), TaskOrganization(Traversal.ROW_MAJOR),
