@@ -13,9 +13,8 @@ adds each case's grouped query layout where its query tile covers several blocks
 
 ``--quantized`` runs every 8-bit kernel of the library instead (``--only`` narrows them), each on
 five plans of its 16-bit kernel: 128 x 128 blocks (direct on a 128 x 128 tile, refined on 64 x 64),
-packed on a persistent grid (tasks from a counter) with 3 splits, grouped-packed with 3 splits,
-refined, grouped-packed on a persistent grid; checked against the fp32 oracle within the 8-bit
-budget."""
+packed on a persistent grid with 3 splits, grouped-packed with 3 splits, refined, grouped-packed on
+a persistent grid; checked against the fp32 oracle within the 8-bit budget."""
 
 from __future__ import annotations
 

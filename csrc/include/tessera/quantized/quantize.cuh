@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
 #pragma unroll
       for (int j = 0; j < 8; ++j) x[j] = 0.f;
     }
-    scale = quantize_row<false>(x, k_mean, dot, bytes);
+    scale = quantize_row<false>(x, k_mean, dot, bytes);  // a K row needs no dot product
     if (s < p.seq_kv_padded) {
       const int64_t row = int64_t(bh) * p.seq_kv_padded + s;
       reinterpret_cast<uint2*>(p.k8 + row * D)[lane] = bytes;  // zeros past seq_kv
