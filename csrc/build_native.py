@@ -14,7 +14,10 @@ it includes (nvcc's own dependency list, ``-MD``) is newer than it, so an edit o
 recompiles the translation units that include it. ``--rebuild`` compiles everything.
 
 Environment: ``TESSERA_CUDA_ARCHS`` ("80;90" by default; "none" skips the build), ``MAX_JOBS``,
-``NVCC`` (path to nvcc), ``TESSERA_NVCC_FLAGS`` (extra nvcc flags; they enter the source hashes).
+``NVCC`` (path to nvcc), ``TESSERA_NVCC_FLAGS`` (extra nvcc flags; they enter the source hashes),
+``TESSERA_PV_FORMATS`` (the 8-bit kernels' P V formats to compile, comma-separated keys of
+``kernel_table.QUANTIZED_FAMILIES``: by default only the one ``precision="int8"`` runs,
+``DEFAULT_PV``; "bf16,int8" adds the comparison kernels with an 8-bit P V).
 """
 
 from __future__ import annotations
@@ -403,11 +406,28 @@ def kernel_rows(archs: str, only: str | None = None, log=lambda msg, level=2: No
     return rows
 
 
+def pv_formats(environ=os.environ) -> tuple[str, ...]:
+    """The P V formats whose 8-bit kernels a build compiles: ``TESSERA_PV_FORMATS`` or the product's
+    ``DEFAULT_PV`` alone (the other formats' kernels serve comparisons only)."""
+    table = load_kernel_table()
+    value = environ.get("TESSERA_PV_FORMATS", "").strip()
+    formats = tuple(dict.fromkeys(f.strip() for f in value.split(",") if f.strip())) if value else (table.DEFAULT_PV,)
+    unknown = [f for f in formats if f not in table.QUANTIZED_FAMILIES]
+    if unknown or not formats:
+        raise RuntimeError(f"TESSERA_PV_FORMATS: expected comma-separated P V formats out of "
+                           f"{sorted(table.QUANTIZED_FAMILIES)}, got {value!r}")
+    return formats
+
+
 def quantized_kernel_rows(archs: str, only: str | None = None) -> list:
-    """The 8-bit kernels a build for ``archs`` compiles: with an sm90 target and the CuTe headers."""
+    """The 8-bit kernels a build for ``archs`` compiles: with an sm90 target and the CuTe headers,
+    those of the P V formats ``pv_formats`` names."""
     if "90" not in [a.rstrip("a") for a in arch_names(archs)] or cutlass_include() is None:
         return []
-    return [r for r in load_kernel_table().quantized_rows() if only is None or re.search(only, r.name)]
+    table = load_kernel_table()
+    formats = pv_formats()
+    return [r for r in table.quantized_rows()
+            if table.pv_format(r) in formats and (only is None or re.search(only, r.name))]
 
 
 def common_flags(gen_dir: str, cutlass: str | None) -> list[str]:

@@ -159,7 +159,10 @@ def run_quantized(prepared: PreparedPlan, q: torch.Tensor, k: torch.Tensor, v: t
     qlib = require_library()
     kid = qlib.kernel_ids.get(row.name)
     if kid is None:
-        raise CatalogError(f"8-bit kernel {row.name} is not in the loaded library {qlib.lib.path}")
+        hint = ("" if pv == DEFAULT_PV else
+                f"; a build compiles the P V formats TESSERA_PV_FORMATS names (by default {DEFAULT_PV!r} only): "
+                f"rebuild with TESSERA_PV_FORMATS={DEFAULT_PV},{pv} for this one")
+        raise CatalogError(f"8-bit kernel {row.name} is not in the loaded library {qlib.lib.path}{hint}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise InvalidArgumentError("q, k, v", "tensors that do not require grad (the 8-bit kernels compute the "
                                    "forward pass only)", "requires_grad=True")

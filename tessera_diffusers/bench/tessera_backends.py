@@ -15,7 +15,7 @@ import torch
 from ..catalog import reference_kernel
 from ..eligibility import rejection
 from ..errors import CatalogError
-from ..kernel_table import DEFAULT_PV
+from ..kernel_table import DEFAULT_PV, pv_format, quantized_rows
 from ..mask_state import build_mask_state
 from ..plans import DTYPE_NAMES, KvLayout, PhysicalPlan, Request, TaskOrganization, with_grouped_layouts
 from ..prepare import PreparedPlan, prepare
@@ -161,10 +161,13 @@ class TesseraQuantized(Backend):
         from ..library import quantized_library
 
         try:
-            if quantized_library() is None:
+            library = quantized_library()
+            if library is None:
                 raise Skip("this build of the library has no 8-bit kernels")
         except CatalogError as err:
             raise Skip(f"native kernels unavailable: {err}") from err
+        if not any(pv_format(row) == self.pv for row in quantized_rows() if row.name in library.kernel_ids):
+            raise Skip(f"this build has no 8-bit kernels with P V format {self.pv!r} (TESSERA_PV_FORMATS)")
         return self.prepared_plan(problem, reused=True), problem.scale
 
     @staticmethod

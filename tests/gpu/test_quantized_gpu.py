@@ -151,7 +151,9 @@ def test_sharp_queries_and_outlier_keys_stay_finite_and_within_the_budget(pv):
     # keys dominate their tokens' scales. The twin measures 0.026 relative L2 on such inputs.
     from tessera_diffusers import quantized_ops
 
-    library()
+    lib = library()
+    if not any(pv_format(row) == pv for row in QUANTIZED if row.name in lib.kernel_ids):
+        pytest.skip(f"this build has no 8-bit kernels with P V format {pv!r} (TESSERA_PV_FORMATS)")
     kernel = catalog.base_kernel(QUANTIZED[0])
     seq, heads = 8192, 2
     mask = random_mask(1, heads, seq, seq, 128, 128, density=0.1, empty_rows=False, seed=1, device="cuda")

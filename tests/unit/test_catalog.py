@@ -244,7 +244,7 @@ def test_the_shipped_plan_table_names_these_kernel_sources():
 def test_native_smoke_subset_compiles_and_links(tmp_path):
     """Build breaks cannot land: compile and link two catalog entries (one per dtype) for sm90."""
     command = [sys.executable, os.path.join(ROOT, "csrc", "build_native.py"), "--archs", "90", "--jobs", "2",
-               "--only", "t64x128_d128_(bf16|fp16)_s2|hopper8_t128x128_d128_bf16_s2", "--out", str(tmp_path / "lib"), "--build-dir", str(tmp_path / "b")]
+               "--only", "t64x128_d128_(bf16|fp16)_s2|hopper8qk_t128x128_d128_bf16_s2", "--out", str(tmp_path / "lib"), "--build-dir", str(tmp_path / "b")]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "lib" / "libtessera_kernels.so").stat().st_size > 0
@@ -261,7 +261,7 @@ def test_native_smoke_subset_compiles_and_links(tmp_path):
         hopper = [name for name in manifest["kernels"] if name.startswith("hopper_")]
         assert len(hopper) == 2, manifest["kernels"]
         # The 8-bit kernels and their C entry points build and link beside them, hashed apart.
-        assert manifest["quantized_kernels"] == ["hopper8_t128x128_d128_bf16_s2_w8_sm90a"]
+        assert manifest["quantized_kernels"] == ["hopper8qk_t128x128_d128_bf16_s2_w8_sm90a"]
         assert len(manifest["quantized_sources"]) == 16 and manifest["quantized_sources"] != manifest["kernel_sources"]
         # Each Hopper entry function compiles without local-memory spills (a regression guard: a
         # spilling consumer warpgroup loses a third of its speed).

@@ -370,3 +370,20 @@ def test_8bit_sources_stay_out_of_the_16bit_kernels_hash(tmp_path):
     with open(src / "include" / "tessera" / "tasks.cuh", "a") as f:
         f.write("\nnamespace tessera { constexpr int kShared = 1; }\n")
     assert hashes()[0] != before[0]
+
+
+def test_a_build_compiles_the_product_p_v_format_unless_told_otherwise():
+    """``TESSERA_PV_FORMATS``: a default build compiles the 8-bit kernels of ``DEFAULT_PV`` only (the
+    8-bit P V ones serve comparisons); a list adds formats; an unknown one is refused by name."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("build_native_for_pv", os.path.join(root, "csrc", "build_native.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    assert build.pv_formats({}) == (DEFAULT_PV,)
+    assert build.pv_formats({"TESSERA_PV_FORMATS": " int8, bf16,int8 "}) == ("int8", "bf16")
+    for bad in ("fp8", "bf16,int4", ","):
+        with pytest.raises(RuntimeError, match="TESSERA_PV_FORMATS"):
+            build.pv_formats({"TESSERA_PV_FORMATS": bad})
