@@ -28,7 +28,7 @@ import torch
 from . import config
 from .catalog import kernel_spec_from_row
 from .errors import CatalogError, InvalidArgumentError, NativeKernelError
-from .kernel_table import all_rows, quantized_rows
+from .kernel_table import all_rows, pv_format, quantized_rows
 from .plans import KernelSpec
 
 log = logging.getLogger(__name__)
@@ -351,6 +351,10 @@ class QuantizedLibrary:
 
     lib: NativeLibrary
     kernel_ids: dict  # name -> id of tessera_quantized_attention_forward
+
+    def has_pv_format(self, pv: str) -> bool:
+        """Whether the build compiled 8-bit kernels with P V format ``pv`` (``TESSERA_PV_FORMATS``)."""
+        return any(pv_format(row) == pv for row in quantized_rows() if row.name in self.kernel_ids)
 
 
 @cache

@@ -15,7 +15,7 @@ import torch
 from ..catalog import reference_kernel
 from ..eligibility import rejection
 from ..errors import CatalogError
-from ..kernel_table import DEFAULT_PV, pv_format, quantized_rows
+from ..kernel_table import DEFAULT_PV
 from ..mask_state import build_mask_state
 from ..plans import DTYPE_NAMES, KvLayout, PhysicalPlan, Request, TaskOrganization, with_grouped_layouts
 from ..prepare import PreparedPlan, prepare
@@ -166,7 +166,7 @@ class TesseraQuantized(Backend):
                 raise Skip("this build of the library has no 8-bit kernels")
         except CatalogError as err:
             raise Skip(f"native kernels unavailable: {err}") from err
-        if not any(pv_format(row) == self.pv for row in quantized_rows() if row.name in library.kernel_ids):
+        if not library.has_pv_format(self.pv):
             raise Skip(f"this build has no 8-bit kernels with P V format {self.pv!r} (TESSERA_PV_FORMATS)")
         return self.prepared_plan(problem, reused=True), problem.scale
 

@@ -387,3 +387,13 @@ def test_a_build_compiles_the_product_p_v_format_unless_told_otherwise():
     for bad in ("fp8", "bf16,int4", ","):
         with pytest.raises(RuntimeError, match="TESSERA_PV_FORMATS"):
             build.pv_formats({"TESSERA_PV_FORMATS": bad})
+
+
+def test_a_library_knows_which_p_v_formats_its_build_compiled():
+    from tessera_diffusers.kernel_table import pv_format, quantized_rows
+    from tessera_diffusers.library import QuantizedLibrary
+
+    product = [r.name for r in quantized_rows() if pv_format(r) == DEFAULT_PV]
+    lib = QuantizedLibrary(lib=None, kernel_ids={name: i for i, name in enumerate(product)})
+    assert lib.has_pv_format(DEFAULT_PV) and not lib.has_pv_format("int8")
+    assert not QuantizedLibrary(lib=None, kernel_ids={}).has_pv_format(DEFAULT_PV)
