@@ -2,12 +2,14 @@
 
 Hopper's 8-bit tensor cores (INT8 and FP8) run at twice the bf16 rate. Per ``(batch, head)``:
 
-- ``Q K^T`` in INT8 with a scale per token: a score is ``(q8_i . k8_j) * q_scale_i * k_scale_j *
-  scale``; the integer product is exact (``D * 127^2 < 2^24``) and the scales are a row and a
-  column factor of the score tile, independent of the physical plan. K loses its mean over tokens
-  first (``k_mean``): a channel offset shared by every key shifts a row's scores by a constant,
-  which the softmax ignores, but it would set every token's scale and crush its other channels. The
-  log-sum-exp gets the shift back (``lse_shift``).
+- ``Q K^T`` in INT8, Q with a scale per token and K with one per chunk of ``K_CHUNK`` tokens (from
+  token 0; ``k_scale`` holds it for each of the chunk's tokens): a score is ``(q8_i . k8_j) *
+  q_scale_i * k_scale_j * scale``; the integer product is exact (``D * 127^2 < 2^24``) and the
+  scales are a row and a column factor of the score tile, independent of the physical plan (every
+  slot of an 8-bit plan is whole chunks, so a kernel takes one K factor per chunk, not per key).
+  K loses its mean over tokens first (``k_mean``): a channel offset shared by every key shifts a
+  row's scores by a constant, which the softmax ignores, but it would set every chunk's scale and
+  crush its other channels. The log-sum-exp gets the shift back (``lse_shift``).
 - ``P V`` in INT8 (``pv="int8"``): the probabilities of a row within one KV tile of
   ``kv_tile`` keys are unsigned 8-bit numbers of the tile's own maximum,
   ``p8 = round(255 * p / max_tile p)``; V is signed 8-bit with a scale per channel, after losing its
@@ -44,6 +46,7 @@ from .reference import row_chunks
 from .validation import check_inputs
 
 INT8_MAX = 127.0
+K_CHUNK = 16  # tokens sharing a K scale (TESSERA_QUANTIZED_K_CHUNK; a kernel slot is whole chunks)
 UINT8_MAX = 255.0
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 PV_FORMATS = ("int8", "fp8", "bf16")
@@ -60,7 +63,7 @@ class QuantizedInputs:
     q: torch.Tensor  # [B, Sq, H, D] int8
     q_scale: torch.Tensor  # [B, Sq, H] fp32
     k: torch.Tensor  # [B, Skv, H, D] int8, of k - k_mean
-    k_scale: torch.Tensor  # [B, Skv, H] fp32
+    k_scale: torch.Tensor  # [B, Skv, H] fp32, one value per chunk of K_CHUNK tokens
     k_mean: torch.Tensor  # [B, H, D] fp32 (zeros without smoothing)
     v: torch.Tensor  # [B, Skv, H, D] int8 of v - v_mean, float8_e4m3fn of v, or bf16 v
     v_scale: torch.Tensor  # [B, H, D] fp32
@@ -80,6 +83,16 @@ def per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
+def per_chunk_int8(x: torch.Tensor, chunk: int = K_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [B, S, H, D] fp32 as int8 with one scale per ``chunk`` tokens (from token 0, the last
+    chunk possibly partial) and (b, h), returned per token [B, S, H]; a zero chunk keeps scale 1."""
+    batch, seq, heads, dim = x.shape
+    pad = -seq % chunk
+    amax = torch.nn.functional.pad(x.abs().amax(-1), (0, 0, 0, pad)).view(batch, -1, chunk, heads).amax(2)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax)).repeat_interleave(chunk, 1)[:, :seq]
+    return torch.round(x / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
 def per_channel(x: torch.Tensor, top: float) -> torch.Tensor:
     """The scale per (b, h, channel) of ``x`` [B, S, H, D] that maps its largest magnitude to ``top``."""
     amax = x.abs().amax(1)
@@ -95,7 +108,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv
     qf, kf, vf = q.float(), k.float(), v.float()
     k_mean = kf.mean(1) if smooth_k else torch.zeros_like(kf[:, 0])  # [B, H, D]
     q8, q_scale = per_token_int8(qf)
-    k8, k_scale = per_token_int8(kf - k_mean.unsqueeze(1))
+    k8, k_scale = per_chunk_int8(kf - k_mean.unsqueeze(1))
     if pv == "int8":
         v_mean = vf.mean(1)
         centred = vf - v_mean.unsqueeze(1)

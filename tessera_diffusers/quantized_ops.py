@@ -1,8 +1,8 @@
 """The native 8-bit path (``precision="int8"``): the quantization pass and the 8-bit Hopper kernels.
 
 The arithmetic is ``quantized.py``'s (its twin is the CPU oracle of these kernels). A request runs
-as: ``quantize`` (one pass over q, k and, for an 8-bit P V, v: int8 copies, per-token and
-per-channel scales, the means and the log-sum-exp shift), then the 8-bit kernel of the P V format
+as: ``quantize`` (one pass over q, k and, for an 8-bit P V, v: int8 copies, scales per token
+(Q), per 16-token chunk (K) and per channel (V), the means and the log-sum-exp shift), then the 8-bit kernel of the P V format
 (``kernel_table.QUANTIZED_FAMILIES``; ``DEFAULT_PV`` for precision="int8") over a prepared plan of
 the 16-bit catalog whose tile it has (``catalog.quantized_kernel``): the same metadata, tasks and
 split-K merge. The quantized tensors are the kernels' own layouts
@@ -98,7 +98,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pv: str = DEFAULT_PV) -> QuantizedTensors:
     """The quantization pass on the GPU: q ``[B, Sq, H, D]``, k, v ``[B, Skv, H, D]`` (bf16 or fp16,
     D = 128) -> ``QuantizedTensors`` for the kernels of P V format ``pv`` (V is quantized only for
-    ``pv="int8"``; three launches on the current stream, no sync)."""
+    ``pv="int8"``; four launches on the current stream, no sync)."""
     check_pv(pv)
     check_inputs(q, k, v)
     lib = require_library().lib

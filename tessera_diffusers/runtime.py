@@ -340,7 +340,7 @@ def block_sparse_attention(
             On the native path a non-finite V of a key outside a row's active blocks can reach the
             row too, when the plan's KV tile holds that key for another row (its weight 0 times NaN).
         precision: ``"input"`` (default): computed in q's dtype. ``"int8"``: Q K^T on the 8-bit
-            tensor cores (``quantized.py``: per-token Q and K scales with K smoothing), P V in q's
+            tensor cores (``quantized.py``: Q scaled per token, K per 16-token chunk after K smoothing), P V in q's
             dtype with fp32 accumulation, on Hopper with head_dim 128 and finite inputs; within
             cosine 0.999 and relative L2 0.03 of the fp32 result (about 0.01 on random inputs).
             Elsewhere it warns once and runs the 16-bit path.

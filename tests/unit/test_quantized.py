@@ -102,6 +102,22 @@ def test_quantized_inputs_round_within_half_a_step():
     assert bool(((x.v.float() * x.v_scale.unsqueeze(1) - centred_v).abs() <= x.v_scale.unsqueeze(1) / 2 + 1e-6).all())
 
 
+def test_k_has_one_scale_per_16_token_chunk():
+    k = torch.randn(2, 37, 3, HEAD_DIM)  # chunks 0-15, 16-31 and a partial 32-36
+    k[0, 20, 1] *= 50  # one large key sets its chunk's scale, not its neighbours'
+    k[1, 32:, 2] = 0  # a chunk without a nonzero key keeps scale 1
+    k8, scale = quantized.per_chunk_int8(k)
+    assert quantized.K_CHUNK == 16 and scale.shape == (2, 37, 3) and k8.dtype == torch.int8
+    for start, stop in ((0, 16), (16, 32), (32, 37)):
+        want = k[:, start:stop].abs().amax((1, 3)) / 127
+        want = torch.where(want > 0, want, torch.ones_like(want))
+        assert torch.equal(scale[:, start:stop], want.unsqueeze(1).expand(-1, stop - start, -1))
+    assert float(scale[0, 16, 1]) > 10 * float(scale[0, 0, 1]) and float(scale[1, 32, 2]) == 1.0
+    assert bool(((k8.float() * scale.unsqueeze(-1) - k).abs() <= scale.unsqueeze(-1) / 2 + 1e-6).all())
+    x = quantized.quantize(k, k, k, 0.125)
+    assert torch.equal(x.k_scale, quantized.per_chunk_int8(k - k.mean(1, keepdim=True))[1])
+
+
 def test_probabilities_are_rounded_per_kv_tile():
     p = torch.tensor([[1.0, 0.5, 0.01, 0.004, 0.001, 0.0]])
     tiled = quantized.rounded_probabilities(p, "int8", 3)  # tiles [1, .5, .01] and [.004, .001, 0]

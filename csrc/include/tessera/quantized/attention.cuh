@@ -15,7 +15,9 @@
 // output's scale; the offset's share, 128 times the row sum of P8, comes off in the epilogue.
 // P's bytes come from f16 pairs: two fp32 exponentials packed, one HFMA2 rounds both to bytes.
 // With T::kPv16 only Q K^T is 8-bit: P and V stay in the output's 16-bit type and P V accumulates
-// in fp32 in the tensor cores, in the 16-bit kernels' order (consumer_loop_p16).
+// in fp32 in the tensor cores, in the 16-bit kernels' order (consumer_loop_p16); its scores take
+// K's scale once per 16-token chunk (TESSERA_QUANTIZED_K_CHUNK): the row maximum of the raw scores
+// per chunk, the chunk's factor in the exponent's FFMA.
 // Static schedule only (every gridDim.x-th task): the launcher refuses a task counter.
 #pragma once
 #include <cutlass/arch/reg_reconfig.h>
@@ -208,7 +210,7 @@ __device__ __forceinline__ float row_half_max(const FragF& sf, int half) {
   return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
 }
 
-// A row half's references after one tile: `tile`, the tile's maximum score times the row factor rf
+// A row half's references after one tile: `tile`, the tile's maximum score m times the row factor rf
 // (-inf where none of its columns is active), and `row`, the row's reference the tile's
 // probabilities are taken against (0 while the row has no active score: exp2 gives 0 then). The
 // reference is lazy (as the 16-bit 64-column kernels'): it moves only when the tile exceeds it by
@@ -218,9 +220,8 @@ struct References {
   float tile, row;
 };
 
-template <class T, class FragF>
-__device__ __forceinline__ References move_reference(const FragF& sf, int half, float rf, float& row_max, float& alpha) {
-  const float m = row_half_max(sf, half);
+template <class T>
+__device__ __forceinline__ References move_reference(float m, float rf, float& row_max, float& alpha) {
   const float tile_ref = m == -CUDART_INF_F ? -CUDART_INF_F : m * rf;
   const bool moves = tile_ref > row_max + T::kRescaleThreshold;
   alpha = moves ? fast_exp2(row_max - tile_ref) : 1.f;
@@ -246,7 +247,7 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     // P is rounded against the tile's own maximum, so a stale reference costs no precision.
-    const References r = move_reference<T>(sf, half, rf[half], row_max[half], alpha[half]);
+    const References r = move_reference<T>(row_half_max(sf, half), rf[half], row_max[half], alpha[half]);
     base[half] = r.tile == -CUDART_INF_F ? 0.f : r.tile;
     tile_unit[half] = r.tile == -CUDART_INF_F ? 0.f : fast_exp2(r.tile - r.row) * (1.f / 255.f);
   }
@@ -266,28 +267,63 @@ __device__ __forceinline__ void softmax_to_p8(const TesseraAttnParams& p, const 
     row_sum[half] = fmaf(row_sum[half], alpha[half], (magic_float(int32_t(bytes[half])) - kMagic) * tile_unit[half]);
 }
 
+// The K scales of one stage's 16-token chunks (TESSERA_QUANTIZED_K_CHUNK): the scale of each
+// chunk's first token, which all its tokens share.
+template <int kChunks>
+__device__ __forceinline__ void load_chunk_scales(uint32_t ks_stage, float (&kc)[kChunks]) {
+  CUTE_UNROLL
+  for (int c = 0; c < kChunks; ++c)
+    asm volatile("ld.shared.f32 %0, [%1];"
+                 : "=f"(kc[c])
+                 : "r"(ks_stage + uint32_t(TESSERA_QUANTIZED_K_CHUNK * c) * uint32_t(sizeof(float))));
+}
+
+// Chunk c of a thread's score columns is n8 blocks 2c and 2c + 1: of row half `half`, the values
+// e0, e0 + 1, e0 + 4, e0 + 5 with e0 = 8 c + 2 half.
+__device__ __forceinline__ constexpr int chunk_value(int c, int half) { return 8 * c + 2 * half; }
+
+// The maximum over a row half's quad of the scores as floats times their chunk's K scale: per
+// chunk the raw maximum, then one product (a K scale is positive).
+template <class FragF, int kChunks>
+__device__ __forceinline__ float chunk_scaled_max(const FragF& sf, int half, const float (&kc)[kChunks]) {
+  float m = -CUDART_INF_F;
+  CUTE_UNROLL
+  for (int c = 0; c < kChunks; ++c) {
+    const int e0 = chunk_value(c, half);
+    m = fmaxf(m, fmaxf(fmaxf(sf(e0), sf(e0 + 1)), fmaxf(sf(e0 + 4), sf(e0 + 5))) * kc[c]);
+  }
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+}
+
 // Online softmax of one tile's int32 scores `s` into fp32 probabilities `sf` for a 16-bit P V
-// (T::kPv16): the scores of column_scaled_scores times rf, probabilities relative to the row's lazy
-// reference (as the 16-bit kernels': at most 2^kRescaleThreshold), the row sums of the unrounded
+// (T::kPv16): a score is float(s) times its chunk's K scale kc times rf, one FFMA with the chunk's
+// factor kc * rf per value (no factor per key); probabilities relative to the row's lazy reference
+// (as the 16-bit kernels': at most 2^kRescaleThreshold), the row sums of the unrounded
 // probabilities (as the twin's pv="bf16"); returns in `alpha` the factor for what was accumulated
 // under the previous reference.
-template <class T, class FragS, class FragF, int kBlocks>
+template <class T, class FragS, class FragF, int kChunks>
 __device__ __forceinline__ void softmax_to_p16(const TesseraAttnParams& p, const Task& t, int tile,
-                                               const TileActivity& act, const FragS& s,
-                                               const float2 (&ks)[kBlocks], int lane_col, const int (&row_of_half)[2],
-                                               const float (&rf)[2], float (&row_max)[2], float (&row_sum)[2],
-                                               float (&alpha)[2], FragF& sf) {
-  constexpr int kVals = decltype(size(s))::value;
-  column_scaled_scores<T>(p, t, tile, act, s, ks, lane_col, row_of_half, sf);
+                                               const TileActivity& act, const FragS& s, const float (&kc)[kChunks],
+                                               int lane_col, const int (&row_of_half)[2], const float (&rf)[2],
+                                               float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2], FragF& sf) {
+  static_assert(kChunks * 8 == decltype(size(s))::value, "two n8 blocks of the thread's columns per chunk");
+  CUTE_UNROLL
+  for (int e = 0; e < size(s); ++e) sf(e) = __int2float_rn(s(e));  // exact: |s| < 2^22
+  if (act.needs_mask) hopper::mask_scores<T>(p, act, tile_slots(p, t, tile), sf, lane_col, row_of_half);
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
-    const float ref = move_reference<T>(sf, half, rf[half], row_max[half], alpha[half]).row;
+    const float ref = move_reference<T>(chunk_scaled_max(sf, half, kc), rf[half], row_max[half], alpha[half]).row;
     float part[4] = {0.f, 0.f, 0.f, 0.f};
     CUTE_UNROLL
-    for (int e = 2 * half; e < kVals; e += 4) {
-      sf(e) = fast_exp2(fmaf(sf(e), rf[half], -ref));
-      sf(e + 1) = fast_exp2(fmaf(sf(e + 1), rf[half], -ref));
-      part[(e >> 2) % 4] += sf(e) + sf(e + 1);
+    for (int c = 0; c < kChunks; ++c) {
+      const float factor = kc[c] * rf[half];
+      const int e0 = chunk_value(c, half);
+      sf(e0) = fast_exp2(fmaf(sf(e0), factor, -ref));
+      sf(e0 + 1) = fast_exp2(fmaf(sf(e0 + 1), factor, -ref));
+      sf(e0 + 4) = fast_exp2(fmaf(sf(e0 + 4), factor, -ref));
+      sf(e0 + 5) = fast_exp2(fmaf(sf(e0 + 5), factor, -ref));
+      part[c % 4] += (sf(e0) + sf(e0 + 1)) + (sf(e0 + 4) + sf(e0 + 5));
     }
     row_sum[half] = fmaf(row_sum[half], alpha[half], (part[0] + part[1]) + (part[2] + part[3]));
   }
@@ -455,6 +491,13 @@ __device__ __forceinline__ void stage_k_scales(uint32_t ks_smem, const PipeState
   load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), lane_col, ks);
 }
 
+// The K scales of the chunks of the stage issue_scores waited for (16-bit P V).
+template <class T, int kChunks>
+__device__ __forceinline__ void stage_chunk_scales(uint32_t ks_smem, const PipeState<T::kStages>& read_k,
+                                                   float (&kc)[kChunks]) {
+  load_chunk_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), kc);
+}
+
 // Releases the K stage of the current tile: every thread, after its own reads of the K scales
 // (init_barriers).
 template <class T>
@@ -577,7 +620,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
   // P in the register layout of the 16-bit A operand: ((2, 2, 2), 1, N / 16), the same value order as S.
   Tensor prob = make_tensor<Output>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<T::kTileKV / 16>>>{});
   static_assert(decltype(size(prob))::value == decltype(size(s))::value, "a P value per score value");
-  constexpr int kBlocks = decltype(size(s))::value / 4;  // n8 blocks of the thread's score columns
+  constexpr int kChunks = T::kTileKV / TESSERA_QUANTIZED_K_CHUNK;  // K scales per tile
 
   PipeState<T::kStages> read_k, read_v;
   PipeState<T::kQStages> read_q;
@@ -588,12 +631,12 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
                                                   float (&row_max)[2], float (&row_sum)[2]) {
     float alpha[2];
     TileActivity act = tile_activity<T::kTileQ>(p, t, t.tile_begin);
-    float2 ks[kBlocks];
+    float kc[kChunks];
     auto scores = [&](int i) {  // S_i landed: release K (its scales are in registers), softmax
       warpgroup_fence_operand(s);
       release_k<T>(bar, read_k);
       if (i == n - 1) release(&bar.q_empty[qs]);
-      softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, ks, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
+      softmax_to_p16<T>(p, t, t.tile_begin + i, act, s, kc, views.lane_col, views.row_of_half, rf, row_max, row_sum, alpha,
                         sf);
     };
     auto to_prob = [&]() {
@@ -604,7 +647,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
     turns.wait_turn();
     issue_scores(mmas, views, qs, bar, read_k, s);
     turns.pass_turn();
-    stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
+    stage_chunk_scales<T>(ks_smem, read_k, kc);
     warpgroup_wait<0>();
     scores(0);
     to_prob();
@@ -614,7 +657,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
       issue_scores(mmas, views, qs, bar, read_k, s);
       issue_pv<false>(mmas, views, bar, read_v, prob, o);
       turns.pass_turn();
-      stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
+      stage_chunk_scales<T>(ks_smem, read_k, kc);
       warpgroup_wait<1>();  // S_i done (committed first), O += P_{i-1} V_{i-1} in flight
       scores(i);
       warpgroup_wait<0>();

@@ -12,7 +12,8 @@ extern "C" {
 
 // Layouts the quantization pass writes, heads-major (B, H, ...), all contiguous:
 //   q8        [B, H, Sq, D] int8          q_scale [B, H, Sq] fp32       lse_shift [B, H, Sq] fp32
-//   k8        [B, H, Skv_pad, D] int8     k_scale [B, H, Skv_pad] fp32  (k - k_mean; zero past Skv)
+//   k8        [B, H, Skv_pad, D] int8     k_scale [B, H, Skv_pad] fp32  (k - k_mean; zero past Skv;
+//             one scale per chunk of TESSERA_QUANTIZED_K_CHUNK tokens, below)
 //   v8        [B, H, Skv_pad / 16, D, 16] uint8: int8 of v - v_mean plus 128, V transposed in chunks
 //             of 16 tokens (8-bit wgmma reads both operands K-major), the tokens of a chunk in the
 //             order of the P V product's register operand (TESSERA_V_CHUNK_TOKEN below); 128 past Skv
@@ -21,6 +22,12 @@ extern "C" {
 // Skv_pad is a multiple of 128 at or past Skv, so a KV slot never reads past the buffers.
 #define TESSERA_QUANTIZED_ALIGN 128
 #define TESSERA_QUANTIZED_HEAD_DIM 128
+
+// K's scale is one per chunk of TESSERA_QUANTIZED_K_CHUNK tokens from token 0, written for each of
+// the chunk's tokens (1 for a chunk without a nonzero key, as past Skv, so a kernel's factor for a
+// masked column stays finite). A KV slot of an 8-bit plan is whole chunks (its unit, a power of two
+// of at least 16 tokens, starts on a multiple of itself), so a kernel applies one factor per chunk.
+#define TESSERA_QUANTIZED_K_CHUNK 16
 
 // Byte j of a 16-token chunk of v8 holds token TESSERA_V_CHUNK_TOKEN(j) of the chunk: the P
 // fragment keeps the score accumulator's value order (thread t of a quad holds columns 2t, 2t + 1,

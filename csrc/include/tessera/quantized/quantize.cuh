@@ -1,12 +1,14 @@
 // The quantization pass of 8-bit attention (tessera_diffusers/quantized.py's `quantize`, layouts in
-// tessera/quantized/params.h), in three launches:
+// tessera/quantized/params.h), in four launches:
 //   channel_statistics  per (b, h) and token segment, per channel: sums of K and V, V's max and min
 //                       (16-byte loads: 16 threads per token row, 8 rows at a time);
 //   channel_finish      per (b, h): k_mean, v_mean and v_scale from the segments' partials;
-//   quantize_rows       per (b, h) and 128 tokens: Q and K rows to int8 with a scale per token (a
+//   quantize_rows       per (b, h) and 128 tokens: Q rows to int8 with a scale per token (a
 //                       half-warp per row, 16-byte loads; Q's lse_shift = scale * q . k_mean on the
 //                       way), V to int8 per channel plus 128, written transposed in 16-token chunks
-//                       (a thread per channel).
+//                       (a thread per channel);
+//   quantize_k_chunks   per (b, h) and 128 tokens: K rows to int8 with a scale per 16-token chunk
+//                       (a half-warp per chunk, its 16 rows loaded at once).
 // Without v8 (a kernel with a 16-bit P V reads V itself) the pass leaves V alone: no V statistics,
 // no v8. The partials keep the pass deterministic (no atomics).
 #pragma once
@@ -21,7 +23,7 @@ namespace tessera::quantized {
 
 constexpr int kQuantizeThreads = TESSERA_QUANTIZED_HEAD_DIM;  // a thread per channel
 constexpr int kQuantizeTokens = 128;                          // tokens per quantize_rows CTA
-constexpr int kChunk = 16;                                    // tokens per v8 chunk
+constexpr int kChunk = TESSERA_QUANTIZED_K_CHUNK;              // tokens per K scale and per v8 chunk
 constexpr float kInt8Max = 127.f;
 
 __device__ __forceinline__ float load_element(const void* base, int64_t offset, int dtype) {
@@ -31,8 +33,11 @@ __device__ __forceinline__ float load_element(const void* base, int64_t offset, 
 
 // Eight consecutive channels of one token row (16-byte aligned: rows start on 16 bytes, the
 // strides are multiples of 8 elements).
-__device__ __forceinline__ void load_eight(const void* base, int64_t offset, int dtype, float (&x)[8]) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(base) + 2 * offset));
+__device__ __forceinline__ uint4 load_raw(const void* base, int64_t offset) {
+  return __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(base) + 2 * offset));
+}
+
+__device__ __forceinline__ void to_floats(const uint4& raw, int dtype, float (&x)[8]) {
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -41,6 +46,10 @@ __device__ __forceinline__ void load_eight(const void* base, int64_t offset, int
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
   }
+}
+
+__device__ __forceinline__ void load_eight(const void* base, int64_t offset, int dtype, float (&x)[8]) {
+  to_floats(load_raw(base, offset), dtype, x);
 }
 
 __device__ __forceinline__ int64_t row_offset(const int64_t (&stride)[3], int b, int s, int h) {
@@ -140,10 +149,17 @@ __global__ void __launch_bounds__(kQuantizeThreads) channel_finish(const __grid_
   p.v_scale[at] = amax > 0.f ? amax / kInt8Max : 1.f;
 }
 
-// One token row to int8 with its own scale (a half-warp, 8 channels per lane: both halves of the
-// warp call it together, each on its own row); returns the scale and, with kDot, through `dot` the
-// row's dot product with `other` (the lane's 8 channels of it).
-template <bool kDot>
+// A lane's eight values to int8 at 1 / scale = inv.
+__device__ __forceinline__ uint2 pack_eight(const float (&x)[8], float inv) {
+  return make_uint2(pack_int8(quantize_value(x[0], inv), quantize_value(x[1], inv), quantize_value(x[2], inv),
+                              quantize_value(x[3], inv)),
+                    pack_int8(quantize_value(x[4], inv), quantize_value(x[5], inv), quantize_value(x[6], inv),
+                              quantize_value(x[7], inv)));
+}
+
+// One Q row to int8 with its own scale (a half-warp, 8 channels per lane: both halves of the warp
+// call it together, each on its own row); returns the scale and through `dot` the row's dot product
+// with `other` (the lane's 8 channels of it).
 __device__ __forceinline__ float quantize_row(const float (&x)[8], const float (&other)[8], float& dot,
                                               uint2& bytes) {
   float amax = 0.f;
@@ -151,20 +167,58 @@ __device__ __forceinline__ float quantize_row(const float (&x)[8], const float (
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     amax = fmaxf(amax, fabsf(x[j]));
-    if constexpr (kDot) dot = fmaf(x[j], other[j], dot);
+    dot = fmaf(x[j], other[j], dot);
   }
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) {  // within the half-warp
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if constexpr (kDot) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    dot += __shfl_xor_sync(0xffffffffu, dot, o);
   }
   const float scale = amax > 0.f ? amax / kInt8Max : 1.f;
-  const float inv = 1.f / scale;
-  bytes = make_uint2(pack_int8(quantize_value(x[0], inv), quantize_value(x[1], inv), quantize_value(x[2], inv),
-                               quantize_value(x[3], inv)),
-                     pack_int8(quantize_value(x[4], inv), quantize_value(x[5], inv), quantize_value(x[6], inv),
-                               quantize_value(x[7], inv)));
+  bytes = pack_eight(x, 1.f / scale);
   return scale;
+}
+
+// K per (b, h) and 128 tokens, a half-warp per 16-token chunk (8 channels per lane): its rows loaded
+// at once and quantized at the chunk's scale (its largest |k - k_mean|; 1 for a chunk of zeros, as
+// past seq_kv, so that a kernel's factor for a masked column stays finite), written for each of its
+// rows; zero keys past seq_kv. A launch of its own: holding a chunk takes registers that would cut
+// the occupancy the Q rows' loads need.
+__global__ void __launch_bounds__(kQuantizeThreads) quantize_k_chunks(const __grid_constant__ TesseraQuantizeParams p) {
+  constexpr int D = TESSERA_QUANTIZED_HEAD_DIM;
+  static_assert(kQuantizeTokens == kChunk * kQuantizeThreads / 16, "a chunk per half-warp");
+  const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+  const int lane = threadIdx.x % 16, c0 = 8 * lane;
+  const int s0 = blockIdx.x * kQuantizeTokens + kChunk * (threadIdx.x / 16);
+  float k_mean[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) k_mean[j] = p.k_mean[int64_t(bh) * D + c0 + j];
+  uint4 raw[kChunk];
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i)
+    raw[i] = s0 + i < p.seq_kv ? load_raw(p.k, row_offset(p.k_stride, b, s0 + i, h) + c0) : make_uint4(0, 0, 0, 0);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    float x[8];
+    to_floats(raw[i], p.dtype, x);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = s0 + i < p.seq_kv ? fmaxf(amax, fabsf(x[j] - k_mean[j])) : amax;
+  }
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // the half-warp
+  const float scale = amax > 0.f ? amax / kInt8Max : 1.f;
+  const float inv = 1.f / scale;
+  const int64_t row0 = int64_t(bh) * p.seq_kv_padded + s0;
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    float x[8];
+    to_floats(raw[i], p.dtype, x);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = s0 + i < p.seq_kv ? x[j] - k_mean[j] : 0.f;
+    reinterpret_cast<uint2*>(p.k8 + (row0 + i) * D)[lane] = pack_eight(x, inv);
+    if (lane == 0) p.k_scale[row0 + i] = scale;
+  }
 }
 
 __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_constant__ TesseraQuantizeParams p) {
@@ -188,7 +242,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
 #pragma unroll
       for (int j = 0; j < 8; ++j) x[j] = 0.f;
     }
-    float scale = quantize_row<true>(x, k_mean, dot, bytes);  // the Q row's dot with K's mean: its lse shift
+    const float scale = quantize_row(x, k_mean, dot, bytes);  // the Q row's dot with K's mean: its lse shift
     if (q_row) {
       const int64_t row = int64_t(bh) * p.seq_q + s;
       reinterpret_cast<uint2*>(p.q8 + row * D)[lane] = bytes;
@@ -196,21 +250,6 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
         p.q_scale[row] = scale;
         p.lse_shift[row] = p.scale * dot;
       }
-    }
-    const bool k_row = s < p.seq_kv;  // rows up to seq_kv_padded: zero keys, scale 0 (their columns are masked)
-    if (k_row) {
-      load_eight(p.k, row_offset(p.k_stride, b, s, h) + c0, p.dtype, x);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] -= k_mean[j];
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] = 0.f;
-    }
-    scale = quantize_row<false>(x, k_mean, dot, bytes);  // a K row needs no dot product
-    if (s < p.seq_kv_padded) {
-      const int64_t row = int64_t(bh) * p.seq_kv_padded + s;
-      reinterpret_cast<uint2*>(p.k8 + row * D)[lane] = bytes;  // zeros past seq_kv
-      if (lane == 0) p.k_scale[row] = k_row ? scale : 0.f;
     }
   }
   // V: thread d quantizes channel d of each token and writes 16-byte rows of the chunks.
@@ -243,13 +282,14 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows(const __grid_c
 }
 
 #ifndef __CUDACC_RTC__
-// Host: the three launches (0 on success, else a cudaError_t value); parameters checked by the caller.
+// Host: the four launches (0 on success, else a cudaError_t value); parameters checked by the caller.
 inline int launch_quantize(const TesseraQuantizeParams& p, cudaStream_t stream) {
   const unsigned bh = unsigned(p.batch) * unsigned(p.heads);
   channel_statistics<<<dim3(unsigned(p.segments), bh), kQuantizeThreads, 0, stream>>>(p);
   channel_finish<<<dim3(bh), kQuantizeThreads, 0, stream>>>(p);
   const int tokens = max(p.seq_q, p.seq_kv_padded);
   quantize_rows<<<dim3(unsigned((tokens + kQuantizeTokens - 1) / kQuantizeTokens), bh), kQuantizeThreads, 0, stream>>>(p);
+  quantize_k_chunks<<<dim3(unsigned(p.seq_kv_padded / kQuantizeTokens), bh), kQuantizeThreads, 0, stream>>>(p);
   return int(cudaGetLastError());
 }
 #endif
