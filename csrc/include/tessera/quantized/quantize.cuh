@@ -22,7 +22,7 @@
 namespace tessera::quantized {
 
 constexpr int kQuantizeThreads = TESSERA_QUANTIZED_HEAD_DIM;  // a thread per channel
-constexpr int kQuantizeTokens = 128;                          // tokens per quantize_rows CTA
+constexpr int kQuantizeTokens = 128;                          // tokens per quantize_rows and quantize_k_chunks CTA
 constexpr int kChunk = TESSERA_QUANTIZED_K_CHUNK;              // tokens per K scale and per v8 chunk
 constexpr float kInt8Max = 127.f;
 
