@@ -25,7 +25,7 @@ Hopper's 8-bit tensor cores (INT8 and FP8) run at twice the bf16 rate. Per ``(ba
 
 The row sums add up the rounded probabilities for int8 (the weights the product applies: they sum
 to 1, so V's mean comes back exactly), the probabilities before rounding for fp8 and bf16. Measured on
-random inputs (``docs/results.md``), INT8 P V errs about a third as much as FP8 P V, bf16 P V
+random inputs (``docs/results.md``), INT8 P V errs a little under half as much as FP8 P V, bf16 P V
 about a quarter. ``attention`` is the twin: the same arithmetic with the softmax in one pass, its
 KV tiles ``kv_tile`` consecutive keys of the key blocks a chunk of query blocks needs (a kernel's
 are its plan's KV tiles). Empty rows give 0 and -inf as in ``reference.attention``. Inputs must be
