@@ -86,7 +86,7 @@ def per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def per_chunk_int8(x: torch.Tensor, chunk: int = K_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [B, S, H, D] fp32 as int8 with one scale per ``chunk`` tokens (from token 0, the last
     chunk possibly partial) and (b, h), returned per token [B, S, H]; a zero chunk keeps scale 1."""
-    batch, seq, heads, dim = x.shape
+    batch, seq, heads, _ = x.shape
     pad = -seq % chunk
     amax = torch.nn.functional.pad(x.abs().amax(-1), (0, 0, 0, pad)).view(batch, -1, chunk, heads).amax(2)
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax)).repeat_interleave(chunk, 1)[:, :seq]
