@@ -413,3 +413,18 @@ def test_a_library_knows_which_p_v_formats_its_build_compiled():
     lib = QuantizedLibrary(lib=None, kernel_ids={name: i for i, name in enumerate(product)})
     assert lib.has_pv_format(DEFAULT_PV) and not lib.has_pv_format("int8")
     assert not QuantizedLibrary(lib=None, kernel_ids={}).has_pv_format(DEFAULT_PV)
+
+
+def test_the_layout_constants_match_the_kernels_header():
+    """``params.h``'s constants and their Python mirrors: the padding, the head dim, K's chunk."""
+    import os
+    import re
+
+    from tessera_diffusers import kernel_table, quantized_ops
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "csrc", "include", "tessera", "quantized", "params.h")) as f:
+        defines = dict(re.findall(r"^#define (TESSERA_QUANTIZED_\w+) (\d+)$", f.read(), re.MULTILINE))
+    assert defines == {"TESSERA_QUANTIZED_ALIGN": str(quantized_ops.SEQ_ALIGN),
+                       "TESSERA_QUANTIZED_HEAD_DIM": str(kernel_table.QUANTIZED_HEAD_DIM),
+                       "TESSERA_QUANTIZED_K_CHUNK": str(quantized.K_CHUNK)}
