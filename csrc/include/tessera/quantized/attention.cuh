@@ -194,6 +194,12 @@ __device__ __forceinline__ void column_scaled_scores(const TesseraAttnParams& p,
   if (act.needs_mask) hopper::mask_scores<T>(p, act, tile_slots(p, t, tile), sf, lane_col, row_of_half);
 }
 
+// The maximum of m over the thread's quad (the four lanes that hold one row's columns).
+__device__ __forceinline__ float quad_max(float m) {
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+}
+
 // The maximum of one row half (0 or 1) of the thread's quad's scores, in independent chains.
 template <class FragF>
 __device__ __forceinline__ float row_half_max(const FragF& sf, int half) {
@@ -205,9 +211,7 @@ __device__ __forceinline__ float row_half_max(const FragF& sf, int half) {
   CUTE_UNROLL
   for (int j = kChains; j < kBlocks; ++j)
     part[j % kChains] = fmaxf(part[j % kChains], fmaxf(sf(4 * j + 2 * half), sf(4 * j + 2 * half + 1)));
-  float m = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  return quad_max(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
 }
 
 // A row half's references after one tile: `tile`, the tile's maximum score m times the row factor rf
@@ -292,8 +296,7 @@ __device__ __forceinline__ float chunk_scaled_max(const FragF& sf, int half, con
     const int e0 = chunk_value(c, half);
     m = fmaxf(m, fmaxf(fmaxf(sf(e0), sf(e0 + 1)), fmaxf(sf(e0 + 4), sf(e0 + 5))) * kc[c]);
   }
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  return quad_max(m);
 }
 
 // Online softmax of one tile's int32 scores `s` into fp32 probabilities `sf` for a 16-bit P V
@@ -484,18 +487,10 @@ __device__ __forceinline__ void issue_scores(hopper::TiledMmas<T>& mmas, const V
   hopper::wgmma_issue<true>(mmas.qk, views.q(_, _, _, qs), views.k(_, _, _, read_k.stage), s);
 }
 
-// The thread's K scales from the stage issue_scores waited for.
-template <class T, int kBlocks>
-__device__ __forceinline__ void stage_k_scales(uint32_t ks_smem, const PipeState<T::kStages>& read_k, int lane_col,
-                                               float2 (&ks)[kBlocks]) {
-  load_k_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), lane_col, ks);
-}
-
-// The K scales of the chunks of the stage issue_scores waited for (16-bit P V).
-template <class T, int kChunks>
-__device__ __forceinline__ void stage_chunk_scales(uint32_t ks_smem, const PipeState<T::kStages>& read_k,
-                                                   float (&kc)[kChunks]) {
-  load_chunk_scales(ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes), kc);
+// The shared-memory address of the K scales of the stage issue_scores waited for.
+template <class T>
+__device__ __forceinline__ uint32_t k_scale_stage(uint32_t ks_smem, const PipeState<T::kStages>& read_k) {
+  return ks_smem + uint32_t(read_k.stage * T::kSmemKScaleBytes);
 }
 
 // Releases the K stage of the current tile: every thread, after its own reads of the K scales
@@ -572,7 +567,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
     turns.wait_turn();
     issue_scores(mmas, views, qs, bar, read_k, s);
     turns.pass_turn();
-    stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);  // before the wait on S
+    load_k_scales(k_scale_stage<T>(ks_smem, read_k), views.lane_col, ks);  // before the wait on S
     warpgroup_wait<0>();
     scores(0);
     // P_{i-1} V_{i-1} is issued before S_i: tile i's softmax rewrites P's registers. Its int32
@@ -587,7 +582,7 @@ __device__ void consumer_loop(const TesseraQuantizedParams& qp, SmemQ& sQ, SmemK
       warpgroup_wait<1>();  // O_{i-1} done (committed first), S_i in flight
       accumulate(o, oi, unit);
       pv_done<T>(release, bar, read_v, prob, oi);
-      stage_k_scales<T>(ks_smem, read_k, views.lane_col, ks);
+      load_k_scales(k_scale_stage<T>(ks_smem, read_k), views.lane_col, ks);
       warpgroup_wait<0>();
       scores(i);
       rescale(o, alpha);
@@ -647,7 +642,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
     turns.wait_turn();
     issue_scores(mmas, views, qs, bar, read_k, s);
     turns.pass_turn();
-    stage_chunk_scales<T>(ks_smem, read_k, kc);
+    load_chunk_scales(k_scale_stage<T>(ks_smem, read_k), kc);
     warpgroup_wait<0>();
     scores(0);
     to_prob();
@@ -657,7 +652,7 @@ __device__ void consumer_loop_p16(const TesseraQuantizedParams& qp, SmemQ& sQ, S
       issue_scores(mmas, views, qs, bar, read_k, s);
       issue_pv<false>(mmas, views, bar, read_v, prob, o);
       turns.pass_turn();
-      stage_chunk_scales<T>(ks_smem, read_k, kc);
+      load_chunk_scales(k_scale_stage<T>(ks_smem, read_k), kc);
       warpgroup_wait<1>();  // S_i done (committed first), O += P_{i-1} V_{i-1} in flight
       scores(i);
       warpgroup_wait<0>();
