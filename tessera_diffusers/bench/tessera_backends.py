@@ -157,17 +157,24 @@ class TesseraQuantized(Backend):
         self.pv = pv
         self.name = ("tessera-int8" if pv == DEFAULT_PV else "tessera-int8pv") + ("-kernel" if kernel_only else "")
 
-    def prepare(self, problem: Problem) -> tuple[PreparedPlan, float]:
+    def unavailable(self) -> str | None:
+        """Why this build cannot run the 8-bit kernels of ``pv`` at all (once per run, in
+        ``unavailable.json``), or None."""
         from ..library import quantized_library
 
+        if not torch.cuda.is_available():
+            return "needs CUDA"
         try:
             library = quantized_library()
-            if library is None:
-                raise Skip("this build of the library has no 8-bit kernels")
         except CatalogError as err:
-            raise Skip(f"native kernels unavailable: {err}") from err
+            return f"native kernels unavailable: {err}"
+        if library is None:
+            return "this build of the library has no 8-bit kernels (they need an sm90 target and the CuTe headers)"
         if not library.has_pv_format(self.pv):
-            raise Skip(f"this build has no 8-bit kernels with P V format {self.pv!r} (TESSERA_PV_FORMATS)")
+            return f"this build has no 8-bit kernels with P V format {self.pv!r} (built with TESSERA_PV_FORMATS)"
+        return None
+
+    def prepare(self, problem: Problem) -> tuple[PreparedPlan, float]:
         return self.prepared_plan(problem, reused=True), problem.scale
 
     @staticmethod

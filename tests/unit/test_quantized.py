@@ -221,6 +221,28 @@ def test_the_bench_names_each_p_v_format():
         assert (backend.name, backend.pv, backend.kernel_only) == (name, pv, kernel_only)
 
 
+def test_the_bench_says_once_why_a_build_cannot_run_an_8bit_backend(monkeypatch):
+    from tessera_diffusers import library
+    from tessera_diffusers.bench.harness import make_backend
+
+    class Build:
+        def __init__(self, formats):
+            self.formats = formats
+
+        def has_pv_format(self, pv):
+            return pv in self.formats
+
+    int8, int8pv = make_backend("tessera-int8-kernel"), make_backend("tessera-int8pv-kernel")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert int8.unavailable() == "needs CUDA"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(library, "quantized_library", lambda: None)
+    assert "no 8-bit kernels" in int8.unavailable()
+    monkeypatch.setattr(library, "quantized_library", lambda: Build({"bf16"}))
+    assert int8.unavailable() is None
+    assert "'int8'" in int8pv.unavailable() and "TESSERA_PV_FORMATS" in int8pv.unavailable()
+
+
 def test_an_8bit_request_has_its_own_key_and_unknown_precisions_are_refused():
     from tessera_diffusers.plans import Request
     from tessera_diffusers.runtime import make_request
