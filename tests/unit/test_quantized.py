@@ -4,7 +4,9 @@ log-sum-exp with K's mean added back, and what breaks the budget."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +17,15 @@ from tessera_diffusers.kernel_table import DEFAULT_PV
 from tessera_diffusers.testing import TEST_GEOMETRIES, random_mask, random_qkv
 
 SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 600, 700, 2, 128
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build_native():
+    """``csrc/build_native.py`` as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("build_native_for_test", os.path.join(ROOT, "csrc", "build_native.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return build
 
 
 def request(block_q: int, block_kv: int, seed: int = 0):
@@ -383,17 +394,12 @@ def test_with_regime_reuse_an_8bit_request_takes_its_previous_decision_without_a
 
 def test_8bit_sources_stay_out_of_the_16bit_kernels_hash(tmp_path):
     """An edit of the 8-bit path leaves the 16-bit plan table current (build_native.QUANTIZED_ONLY)."""
-    import importlib.util
-    import os
     import shutil
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("build_native_for_test", os.path.join(root, "csrc", "build_native.py"))
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    build = build_native()
     src = tmp_path / "csrc"
-    shutil.copytree(os.path.join(root, "csrc", "include"), src / "include")
-    shutil.copytree(os.path.join(root, "csrc", "kernels"), src / "kernels")
+    shutil.copytree(os.path.join(ROOT, "csrc", "include"), src / "include")
+    shutil.copytree(os.path.join(ROOT, "csrc", "kernels"), src / "kernels")
     dirs = [str(src / "include"), str(src / "kernels")]
 
     def hashes():
@@ -413,13 +419,7 @@ def test_8bit_sources_stay_out_of_the_16bit_kernels_hash(tmp_path):
 def test_a_build_compiles_the_product_p_v_format_unless_told_otherwise():
     """``TESSERA_PV_FORMATS``: a default build compiles the 8-bit kernels of ``DEFAULT_PV`` only (the
     8-bit P V ones serve comparisons); a list adds formats; an unknown one is refused by name."""
-    import importlib.util
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("build_native_for_pv", os.path.join(root, "csrc", "build_native.py"))
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    build = build_native()
     assert build.pv_formats({}) == (DEFAULT_PV,)
     assert build.pv_formats({"TESSERA_PV_FORMATS": " int8, bf16,int8 "}) == ("int8", "bf16")
     for bad in ("fp8", "bf16,int4", ","):
@@ -439,13 +439,11 @@ def test_a_library_knows_which_p_v_formats_its_build_compiled():
 
 def test_the_layout_constants_match_the_kernels_header():
     """``params.h``'s constants and their Python mirrors: the padding, the head dim, K's chunk."""
-    import os
     import re
 
     from tessera_diffusers import kernel_table, quantized_ops
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "csrc", "include", "tessera", "quantized", "params.h")) as f:
+    with open(os.path.join(ROOT, "csrc", "include", "tessera", "quantized", "params.h")) as f:
         defines = dict(re.findall(r"^#define (TESSERA_QUANTIZED_\w+) (\d+)$", f.read(), re.MULTILINE))
     assert defines == {"TESSERA_QUANTIZED_ALIGN": str(quantized_ops.SEQ_ALIGN),
                        "TESSERA_QUANTIZED_HEAD_DIM": str(kernel_table.QUANTIZED_HEAD_DIM),
